@@ -1,0 +1,43 @@
+"""qformats: low-precision number formats with pluggable scaling for JAX.
+
+Every format maps a float array to ``(data, scale)`` with ``value = decode(data) * expand(scale)``::
+
+    import qformats as qf
+    data, scale = qf.MXFP8.quantize(x)
+    y = qf.MXFP8.dequantize(data, scale)
+"""
+
+from qformats._builtins import (
+    BF16,
+    FP8_E4M3,
+    FP8_E5M2,
+    FP16,
+    INT8_PER_CHANNEL,
+    MXFP4,
+    MXFP6_E2M3,
+    MXFP6_E3M2,
+    MXFP8,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    MXINT8,
+    NVFP4,
+)
+from qformats._elements import FloatElement, IntElement
+from qformats._format import ScaledFormat
+from qformats._layout import Blocked, Layout, PerChannel, PerTensor, block_reduce, expand
+from qformats._mx import MXFormat
+from qformats._nvfp4 import NVFP4Format, NVFP4Scale
+from qformats._per_channel import PerChannelIntFormat
+from qformats._per_tensor import PerTensorFormat
+from qformats._registry import UnknownFormatError, get_format, list_formats, register_format, unregister_format
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BF16", "FP8_E4M3", "FP8_E5M2", "FP16", "INT8_PER_CHANNEL", "MXFP4", "MXFP6_E2M3", "MXFP6_E3M2",
+    "MXFP8", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "NVFP4",
+    "Blocked", "FloatElement", "IntElement", "Layout", "MXFormat", "NVFP4Format", "NVFP4Scale",
+    "PerChannel", "PerChannelIntFormat", "PerTensor", "PerTensorFormat", "ScaledFormat",
+    "UnknownFormatError", "block_reduce", "expand", "get_format", "list_formats", "register_format",
+    "unregister_format",
+]

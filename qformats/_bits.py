@@ -1,0 +1,60 @@
+"""Float32 bit tricks shared by the codecs.
+
+XLA on CPU flushes float32 subnormals in arithmetic, and ``log2``/``exp2``/division are slow, so
+every power of two in the hot path is built from its exponent field with integer operations, and
+no scale is ever applied by dividing by (or multiplying with) a subnormal power of two.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+F32_MANT_BITS = 23
+F32_BIAS = 127
+F32_EXP_MASK = 0x7F800000
+F32_MANT_MASK = 0x007FFFFF
+F32_ABS_MASK = 0x7FFFFFFF
+
+
+def f32_bits(x):
+    """Bit pattern of a float32 array as int32."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def bits_f32(b):
+    """Float32 array whose bit pattern is the int32 array ``b``."""
+    return lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
+
+
+def exponent_field(x):
+    """Biased float32 exponent field of ``x`` (0 for zero/subnormal, 255 for Inf/NaN)."""
+    return (f32_bits(x) >> F32_MANT_BITS) & 0xFF
+
+
+def floor_log2(x):
+    """``floor(log2(|x|))`` for normal ``x``; -127 for zero and subnormals."""
+    return exponent_field(x) - F32_BIAS
+
+
+def ceil_log2(x):
+    """``ceil(log2(|x|))`` for normal ``x``: floor plus one unless ``|x|`` is a power of two."""
+    b = f32_bits(x)
+    return floor_log2(x) + ((b & F32_MANT_MASK) != 0).astype(jnp.int32)
+
+
+def pow2(e):
+    """``2**e`` as float32 for integer ``e`` in [-126, 127] (normal range), built from bits."""
+    return bits_f32((e + F32_BIAS) << F32_MANT_BITS)
+
+
+def mul_pow2(x, e):
+    """``x * 2**e`` for integer ``e`` in [-127, 127] without a subnormal multiplier.
+
+    ``2**-127`` is subnormal and reads as zero on CPU, so that one case is applied as
+    ``(x * 2**-126) * 0.5``; both factors are normal and the product is exact wherever it is normal.
+    """
+    e = jnp.asarray(e, jnp.int32)
+    head = pow2(jnp.maximum(e, -126))
+    tail = jnp.where(e < -126, jnp.float32(0.5), jnp.float32(1.0))
+    return x * head * tail

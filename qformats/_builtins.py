@@ -1,0 +1,41 @@
+"""The built-in formats, registered under the lower-case form of their constant names."""
+
+from __future__ import annotations
+
+from qformats import _elements as el
+from qformats._mx import MXFormat
+from qformats._nvfp4 import NVFP4Format
+from qformats._per_channel import PerChannelIntFormat
+from qformats._per_tensor import PerTensorFormat
+from qformats._registry import register_format
+
+FP16 = PerTensorFormat("fp16", el.FLOAT16)
+BF16 = PerTensorFormat("bf16", el.BFLOAT16)
+FP8_E4M3 = PerTensorFormat("fp8_e4m3", el.FLOAT8_E4M3FN)
+FP8_E5M2 = PerTensorFormat("fp8_e5m2", el.FLOAT8_E5M2)
+INT8_PER_CHANNEL = PerChannelIntFormat("int8_per_channel")
+MXFP8_E4M3 = MXFP8 = MXFormat("mxfp8", el.FLOAT8_E4M3FN)
+MXFP8_E5M2 = MXFormat("mxfp8_e5m2", el.FLOAT8_E5M2)
+MXFP6_E2M3 = MXFormat("mxfp6_e2m3", el.FLOAT6_E2M3FN)
+MXFP6_E3M2 = MXFormat("mxfp6_e3m2", el.FLOAT6_E3M2FN)
+MXFP4 = MXFormat("mxfp4", el.FLOAT4_E2M1FN)
+MXINT8 = MXFormat("mxint8", el.MXINT8_ELEMENT)
+NVFP4 = NVFP4Format("nvfp4")
+
+BUILTINS = {
+    FP16: ("float16",),
+    BF16: ("bfloat16",),
+    FP8_E4M3: ("float8_e4m3fn", "e4m3"),
+    FP8_E5M2: ("float8_e5m2", "e5m2"),
+    INT8_PER_CHANNEL: ("int8",),
+    MXFP8: ("mxfp8_e4m3",),
+    MXFP8_E5M2: (),
+    MXFP6_E2M3: ("mxfp6",),
+    MXFP6_E3M2: (),
+    MXFP4: ("mxfp4_e2m1",),
+    MXINT8: (),
+    NVFP4: (),
+}
+
+for _fmt, _aliases in BUILTINS.items():
+    register_format(_fmt, aliases=_aliases)

@@ -1,0 +1,206 @@
+"""Element codecs: how a float32 value (already divided by its scale) becomes low-precision data.
+
+Two final codecs:
+
+* :class:`FloatElement` -- a sign/exponent/mantissa minifloat (fp16, bf16, fp8 e4m3/e5m2,
+  fp6 e2m3/e3m2, fp4 e2m1). Rounding is to nearest, ties to even, and values beyond the element
+  maximum saturate to it. The sub-16-bit ones are encoded with integer operations on the float32
+  bits (exact, and faster on CPU than XLA's converts), producing one code per ``uint8``.
+* :class:`IntElement` -- a symmetric integer grid ``code * step`` (int8, MXINT8's 2^-6 step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from qformats._bits import F32_ABS_MASK, F32_BIAS, F32_MANT_BITS, bits_f32, f32_bits
+
+
+@attrs.frozen
+class FloatElement:
+    """A minifloat element type.
+
+    Attributes:
+        name: spec name, e.g. ``"float8_e4m3fn"``.
+        ebits, mbits: exponent and mantissa widths; ``bias = 2**(ebits-1) - 1``.
+        max_value: largest finite magnitude (the saturation bound).
+        dtype: the JAX/ml_dtypes type that holds one element, or ``None`` when XLA has no such
+            type (fp6): then data are ``uint8`` codes.
+        nan_code: the code (sign bit clear) a NaN input encodes to, or ``None`` if the type has no
+            NaN (NaN inputs then encode to the saturated maximum; their block scale is NaN).
+        native: encode/decode with XLA's own converts (fp16/bf16) instead of bit operations.
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    max_value: float
+    dtype: object = None
+    nan_code: int | None = None
+    native: bool = False
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def bias(self) -> int:
+        return 2 ** (self.ebits - 1) - 1
+
+    @property
+    def emax(self) -> int:
+        """``floor(log2(max_value))``: the exponent the OCP MX scale rule subtracts."""
+        return math.floor(math.log2(self.max_value))
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number, ``1 - bias``."""
+        return 1 - self.bias
+
+    @property
+    def smallest_normal(self) -> float:
+        return 2.0**self.emin
+
+    @property
+    def step(self) -> float:
+        """Spacing of the grid just below 1.0 (``2**-mbits``): relative precision of the format."""
+        return 2.0**-self.mbits
+
+    @property
+    def storage_dtype(self):
+        return jnp.dtype(self.dtype) if self.dtype is not None else jnp.dtype(jnp.uint8)
+
+    def half_step(self, v):
+        """Half the grid spacing at magnitude ``|v|`` (the worst round-to-nearest error)."""
+        e = np.maximum(np.floor(np.log2(np.maximum(np.abs(v), 1e-300))), self.emin)
+        return 2.0 ** (e - self.mbits - 1)
+
+    # -- encode ---------------------------------------------------------------------------------
+    def encode(self, v):
+        """Round float32 ``v`` to this type (nearest-even, saturating) and return its data.
+
+        Data is ``self.dtype`` when it exists, else ``uint8`` codes (sign in bit ``bits - 1``).
+        """
+        v = v.astype(jnp.float32)
+        if self.native:
+            return jnp.clip(v, -self.max_value, self.max_value).astype(self.dtype)
+        codes = self.encode_codes(v)
+        if self.dtype is not None and jnp.dtype(self.dtype).itemsize == 1 and self.bits == 8:
+            return lax.bitcast_convert_type(codes, self.dtype)
+        return codes
+
+    def encode_codes(self, v):
+        """Integer round-to-nearest-even of float32 ``v`` to ``uint8`` element codes.
+
+        Normal range: round the 23-bit mantissa to ``mbits`` with the usual
+        ``(a + half - 1 + lsb) >> shift`` trick (carries roll into the exponent), then re-bias.
+        Subnormal range (``|v| < 2**emin``): the code is ``round_even(|v| * 2**(mbits - emin))``,
+        obtained exactly by adding ``2**23`` in float32 and reading the low mantissa bits.
+        """
+        b = f32_bits(v)
+        sign = (b >> 31) & 1
+        a = b & F32_ABS_MASK
+        max_bits = int(np.float32(self.max_value).view(np.int32))
+        is_nan = a > 0x7F800000
+        a = jnp.minimum(a, max_bits)  # saturate (Inf included)
+        shift = F32_MANT_BITS - self.mbits
+        rounded = (a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)) >> shift
+        normal_code = rounded - ((F32_BIAS - self.bias) << self.mbits)
+        mag = bits_f32(a)
+        sub = mag * np.float32(2.0 ** (self.mbits - self.emin)) + np.float32(2.0**23)
+        sub_code = f32_bits(sub) - 0x4B000000
+        min_normal_bits = (self.emin + F32_BIAS) << F32_MANT_BITS
+        code = jnp.where(a < min_normal_bits, sub_code, normal_code)
+        if self.nan_code is not None:
+            code = jnp.where(is_nan, self.nan_code, code)
+        code = code | (sign << (self.bits - 1))
+        return code.astype(jnp.uint8)
+
+    # -- decode ---------------------------------------------------------------------------------
+    def decode(self, data):
+        """Float32 value of element data (``self.dtype`` or ``uint8`` codes)."""
+        if data.dtype == jnp.uint8:
+            return self.decode_codes(data)
+        return data.astype(jnp.float32)
+
+    def decode_codes(self, codes):
+        """Float32 value of ``uint8`` codes, built from bits (no gather).
+
+        Covers types without Inf (fp4, fp6, e4m3fn); types that have a JAX dtype decode natively.
+        """
+        c = codes.astype(jnp.int32)
+        sign = (c >> (self.bits - 1)) & 1
+        e = (c >> self.mbits) & ((1 << self.ebits) - 1)
+        m = c & ((1 << self.mbits) - 1)
+        normal = bits_f32(((e - self.bias + F32_BIAS) << F32_MANT_BITS) | (m << (F32_MANT_BITS - self.mbits)))
+        sub = m.astype(jnp.float32) * np.float32(2.0 ** (self.emin - self.mbits))
+        mag = jnp.where(e == 0, sub, normal)
+        if self.nan_code is not None:
+            mag = jnp.where((c & ~(1 << (self.bits - 1))) == self.nan_code, jnp.float32(jnp.nan), mag)
+        return jnp.where(sign == 1, -mag, mag)
+
+    def numpy_decode_table(self) -> np.ndarray:
+        """All code values decoded by ml_dtypes (an independent reference for tests)."""
+        mltype = getattr(ml_dtypes, self.name)
+        codes = np.arange(2**self.bits, dtype=np.uint8)
+        return codes.view(mltype).astype(np.float32) if self.bits == 8 else np.array(
+            [np.array(c, np.uint8).view(mltype).astype(np.float32) for c in codes]
+        )
+
+
+@attrs.frozen
+class IntElement:
+    """Symmetric integer element: ``value = code * step``, ``code`` in ``[-qmax, qmax]``.
+
+    Rounding is to nearest, ties to even; values beyond ``qmax * step`` saturate.
+    """
+
+    name: str
+    bits: int = 8
+    step: float = 1.0
+    qmax: int = 127
+
+    @property
+    def max_value(self) -> float:
+        return self.qmax * self.step
+
+    @property
+    def smallest_normal(self) -> float:
+        return self.step
+
+    @property
+    def emax(self) -> int:
+        return math.floor(math.log2(self.max_value))
+
+    @property
+    def storage_dtype(self):
+        return jnp.dtype(jnp.int8)
+
+    def half_step(self, v):
+        return np.full(np.shape(v), self.step / 2)
+
+    def encode(self, v):
+        """``clip(round_even(v / step), -qmax, qmax)`` as int8 (NaN encodes to 0)."""
+        q = jnp.round(v.astype(jnp.float32) * np.float32(1.0 / self.step))
+        q = jnp.clip(q, -self.qmax, self.qmax)
+        return jnp.where(jnp.isnan(q), 0, q).astype(jnp.int8)
+
+    def decode(self, data):
+        return data.astype(jnp.float32) * np.float32(self.step)
+
+
+FLOAT16 = FloatElement("float16", 5, 10, 65504.0, jnp.float16, native=True)
+BFLOAT16 = FloatElement("bfloat16", 8, 7, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), jnp.bfloat16, native=True)
+FLOAT8_E4M3FN = FloatElement("float8_e4m3fn", 4, 3, 448.0, jnp.float8_e4m3fn, nan_code=0x7F)
+FLOAT8_E5M2 = FloatElement("float8_e5m2", 5, 2, 57344.0, jnp.float8_e5m2, nan_code=0x7F)
+FLOAT6_E2M3FN = FloatElement("float6_e2m3fn", 2, 3, 7.5)
+FLOAT6_E3M2FN = FloatElement("float6_e3m2fn", 3, 2, 28.0)
+FLOAT4_E2M1FN = FloatElement("float4_e2m1fn", 2, 1, 6.0)
+INT8 = IntElement("int8")
+MXINT8_ELEMENT = IntElement("mxint8", step=2.0**-6)

@@ -1,0 +1,129 @@
+"""The :class:`ScaledFormat` contract.
+
+A format turns a float array ``x`` into ``(data, scale)`` with
+
+    value = element.decode(data) * expand(scale_values(scale))
+
+where ``expand`` broadcasts one scale to every element of its block (see :mod:`qformats._layout`).
+It is an immutable, hashable value (a frozen ``attrs`` class) so it can be static pytree metadata
+and a ``jit`` cache key. Concrete formats implement five methods; everything else here is derived.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qformats import _layout
+
+
+class ScaledFormat(abc.ABC):
+    """Abstract base of every quantization format.
+
+    Concrete formats are frozen ``attrs`` classes with at least the fields/properties ``name``,
+    ``element`` (an element codec with ``max_value``, ``smallest_normal``, ``bits``, ``encode``,
+    ``decode``) and ``layout`` (a :class:`qformats.Layout`).
+    """
+
+    name: str
+
+    # -- the contract -----------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def element(self):
+        """The element codec (type of ``data`` before packing)."""
+
+    @property
+    @abc.abstractmethod
+    def layout(self) -> _layout.Layout:
+        """Which elements share one scale."""
+
+    @abc.abstractmethod
+    def quantize(self, x):
+        """Encode float array ``x`` as ``(data, scale)``. Traceable: works under jit and vmap."""
+
+    @abc.abstractmethod
+    def decode(self, data):
+        """Element values of ``data`` as float32, in the logical shape (unpacked, unscaled)."""
+
+    @abc.abstractmethod
+    def scale_values(self, scale):
+        """The multiplier of each block as float32, in the scale-grid shape.
+
+        May be subnormal (an E8M0 byte of 0 is ``2**-127``): use :meth:`dequantize`, which never
+        multiplies by a subnormal, to get values.
+        """
+
+    # -- derived ----------------------------------------------------------------------------------
+    def dequantize(self, data, scale, dtype=jnp.float32):
+        """``decode(data) * expand(scale_values(scale))`` cast to ``dtype``."""
+        elems = self.decode(data)
+        block = self.block_shape(elems.shape)
+        return (elems * _layout.expand(self.scale_values(scale), elems.shape, block)).astype(dtype)
+
+    def block_shape(self, shape) -> tuple[int, ...]:
+        """Per-axis block extents for a logical ``shape`` (validates it)."""
+        return self.layout.block_shape(tuple(shape))
+
+    def scale_shape(self, shape) -> tuple[int, ...]:
+        return self.layout.scale_shape(tuple(shape))
+
+    def data_shape(self, shape) -> tuple[int, ...]:
+        """Shape of ``data`` for a logical ``shape`` (differs only for packed formats)."""
+        return tuple(shape)
+
+    def value_shape(self, data_shape) -> tuple[int, ...]:
+        """Logical shape for a ``data`` shape; inverse of :meth:`data_shape`."""
+        return tuple(data_shape)
+
+    @property
+    def max_value(self) -> float:
+        """Largest magnitude an element holds (before scaling)."""
+        return float(self.element.max_value)
+
+    @property
+    def smallest_normal(self) -> float:
+        return float(self.element.smallest_normal)
+
+    def replace(self, **changes) -> ScaledFormat:
+        """A copy with some fields changed, e.g. ``MXFP8.replace(scale_mode="rceil", axis=0)``."""
+        try:
+            return attrs.evolve(self, **changes)
+        except TypeError as e:
+            fields = ", ".join(f.name for f in attrs.fields(type(self)))
+            raise TypeError(f"{type(self).__name__} has no field among {sorted(changes)}; its fields are: {fields}") from e
+
+    def nbytes(self, shape) -> int:
+        """Bytes of ``data`` plus every scale leaf for a logical ``shape``."""
+        out = jax.eval_shape(self.quantize, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+        return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(out))
+
+    def bits_per_element(self, shape=(1024, 1024)) -> float:
+        """Storage bits per element, scales included, for a logical ``shape``."""
+        return 8.0 * self.nbytes(shape) / math.prod(shape)
+
+    def check_input(self, x) -> None:
+        """Raise a clear error for inputs no format can quantize."""
+        dtype = jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{self.name}.quantize expects a floating-point array, got dtype {dtype}. "
+                f"Convert first, e.g. x.astype(jnp.float32)."
+            )
+        self.block_shape(jnp.shape(x))
+
+    def describe(self) -> dict:
+        """One row of the formats table (used by ``python -m qformats list`` and the docs)."""
+        return {
+            "name": self.name,
+            "element": self.element.name,
+            "bits/elem": round(self.bits_per_element(), 3),
+            "max": self.max_value,
+            "smallest normal": self.smallest_normal,
+            "layout": self.layout.describe(),
+        }

@@ -1,0 +1,131 @@
+"""OCP Microscaling (MX) formats: blocks of 32 elements share one E8M0 power-of-two scale."""
+
+from __future__ import annotations
+
+import attrs
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qformats import _bits, _elements, _layout, _packing
+from qformats._format import ScaledFormat
+
+SCALE_MODES = ("floor", "ceil", "even", "rceil")
+E8M0_NAN = 255
+
+
+def _check_mode(instance, attribute, value):
+    if value not in SCALE_MODES:
+        raise ValueError(f"scale_mode={value!r} is not an MX scale mode; choose one of {SCALE_MODES}")
+
+
+def e8m0_exponent(amax, element, mode: str):
+    """Unbiased E8M0 scale exponent of each block from its ``amax`` (float32, >= 0).
+
+    * ``floor`` (OCP MX spec): ``floor(log2(amax)) - emax``;
+    * ``ceil``: ``ceil(log2(amax)) - emax``;
+    * ``even``: ``amax`` first rounded (nearest-even) to the element's mantissa width, then floor;
+      as in torchao, a block whose rounded ``amax`` overflows float32 gets a NaN scale;
+    * ``rceil`` (NVIDIA): ``ceil(log2(amax / max_value))``, so the block never saturates.
+
+    Clamped to E8M0's range ``[-127, 127]``; computed from the float32 bits. Returns
+    ``(exponent, overflow)`` where ``overflow`` marks blocks whose scale must be NaN.
+    """
+    overflow = jnp.zeros(amax.shape, bool)
+    if mode == "rceil":
+        e = _bits.ceil_log2(amax / np.float32(element.max_value))
+    else:
+        if mode == "floor":
+            e = _bits.floor_log2(amax)
+        elif mode == "ceil":
+            e = _bits.ceil_log2(amax)
+        else:  # even
+            mbits = getattr(element, "mbits", 0)
+            b = _bits.f32_bits(amax)
+            b = (b + (1 << (_bits.F32_MANT_BITS - mbits - 1))) & _bits.F32_EXP_MASK
+            overflow = b == _bits.F32_EXP_MASK
+            e = (b >> _bits.F32_MANT_BITS) - _bits.F32_BIAS
+        e = e - element.emax
+    return jnp.clip(e, -127, 127), overflow
+
+
+def e8m0_to_f32(byte):
+    """``2**(byte - 127)`` as float32 (byte 0 is the subnormal ``2**-127``; 255 is NaN)."""
+    b = byte.astype(jnp.int32)
+    f = _bits.bits_f32(jnp.where(b == 0, 0x00400000, b << _bits.F32_MANT_BITS))
+    return jnp.where(b == E8M0_NAN, np.float32(np.nan), f)
+
+
+@attrs.frozen
+class MXFormat(ScaledFormat):
+    """An OCP MX format: ``value = element(data) * 2**(scale_byte - 127)`` per block.
+
+    Elements round to nearest even and saturate at ``element.max_value``; a NaN or Inf anywhere in
+    a block makes the block's scale NaN (byte 255). The scale array holds one
+    ``float8_e8m0fnu`` per block. With ``packed=True`` sub-byte elements are packed along ``axis``
+    (fp4: 2 per byte, fp6: 4 per 3 bytes); otherwise data are one code per byte (``uint8``) or the
+    element's own dtype for 8-bit floats.
+    """
+
+    name: str
+    element: object
+    axis: int = -1
+    block_size: int = 32
+    scale_mode: str = attrs.field(default="floor", validator=_check_mode)
+    packed: bool = True
+
+    @property
+    def layout(self):
+        return _layout.Blocked(self.axis, self.block_size)
+
+    @property
+    def _packs(self) -> bool:
+        return self.packed and self.element.bits < 8
+
+    def quantize(self, x):
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        amax = _layout.block_reduce(jnp.abs(x), block)
+        e, overflow = e8m0_exponent(amax, self.element, self.scale_mode)
+        nonfinite = ~(amax <= np.finfo(np.float32).max) | overflow
+        byte = jnp.where(nonfinite, E8M0_NAN, e + 127).astype(jnp.uint8)
+        # Block scales are applied as x * 2**-e, split so no factor is subnormal.
+        inv_head = _bits.pow2(jnp.clip(-e, -126, 127))
+        inv_tail = jnp.where(-e < -126, np.float32(0.5), np.float32(1))
+        v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
+        data = self.element.encode(v)
+        if self._packs:
+            data = _packing.pack(data, self.element.bits, self.axis % x.ndim)
+        return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
+    def decode(self, data):
+        if self._packs:
+            data = _packing.unpack(data, self.element.bits, self.axis % data.ndim)
+        return self.element.decode(data)
+
+    def scale_values(self, scale):
+        return e8m0_to_f32(lax.bitcast_convert_type(scale, jnp.uint8))
+
+    def dequantize(self, data, scale, dtype=jnp.float32):
+        """``decode(data) * 2**(byte - 127)``, applied without a subnormal multiplier."""
+        elems = self.decode(data)
+        block = self.block_shape(elems.shape)
+        b = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+        head = _bits.bits_f32(jnp.maximum(b, 1) << _bits.F32_MANT_BITS)
+        head = jnp.where(b == E8M0_NAN, np.float32(np.nan), head)
+        tail = jnp.where(b == 0, np.float32(0.5), np.float32(1))
+        out = elems * _layout.expand(head, elems.shape, block) * _layout.expand(tail, elems.shape, block)
+        return out.astype(dtype)
+
+    def data_shape(self, shape):
+        if not self._packs:
+            return tuple(shape)
+        a = self.axis % len(shape)
+        return tuple(_packing.packed_length(n, self.element.bits) if i == a else n for i, n in enumerate(shape))
+
+    def value_shape(self, data_shape):
+        if not self._packs:
+            return tuple(data_shape)
+        a = self.axis % len(data_shape)
+        return tuple(_packing.unpacked_length(n, self.element.bits) if i == a else n for i, n in enumerate(data_shape))

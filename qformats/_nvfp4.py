@@ -1,0 +1,92 @@
+"""NVFP4: fp4 e2m1 elements, blocks of 16 with an E4M3 scale, and a float32 tensor scale on top."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qformats import _elements, _layout, _packing
+from qformats._format import ScaledFormat
+
+_E4M3 = _elements.FLOAT8_E4M3FN
+_FP4 = _elements.FLOAT4_E2M1FN
+_E4M3_TINY = np.float32(2.0**-6)
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
+class NVFP4Scale(NamedTuple):
+    """The two scale levels: ``block`` (float8_e4m3fn per block) and ``tensor`` (float32 scalar)."""
+
+    block: jax.Array
+    tensor: jax.Array
+
+
+@attrs.frozen
+class NVFP4Format(ScaledFormat):
+    """``value = fp4(data) * e4m3(block_scale) * tensor_scale``.
+
+    * two-level (``tensor_scale=True``): ``tensor = amax(x) / (448 * 6)`` and
+      ``block = e4m3(clamp(block_amax / 6 / tensor, 2**-6, 448))``;
+    * single-level: ``tensor = 1`` and ``block = e4m3(clamp(block_amax / 6, 2**-6, 448))``.
+
+    Elements are ``x / (tensor * block)`` rounded to fp4 (nearest even, saturating at 6). Inf
+    saturates (E4M3 has no Inf); NaN propagates to the block (single-level) or tensor (two-level).
+    """
+
+    name: str = "nvfp4"
+    axis: int = -1
+    block_size: int = 16
+    tensor_scale: bool = True
+    packed: bool = True
+
+    @property
+    def element(self):
+        return _FP4
+
+    @property
+    def layout(self):
+        return _layout.Blocked(self.axis, self.block_size)
+
+    def quantize(self, x):
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        absx = jnp.abs(x)
+        amax = _layout.block_reduce(absx, block)
+        block_scale = amax / np.float32(_FP4.max_value)
+        if self.tensor_scale:
+            tensor = jnp.max(amax) / np.float32(_E4M3.max_value * _FP4.max_value)
+            tensor = jnp.where(tensor == 0, np.float32(1), jnp.maximum(tensor, _F32_TINY))
+            block_scale = block_scale / tensor
+        else:
+            tensor = jnp.float32(1)
+        code = _E4M3.encode(jnp.clip(block_scale, _E4M3_TINY, _E4M3.max_value))
+        total = tensor * code.astype(jnp.float32)
+        data = _FP4.encode(x / _layout.expand(total, x.shape, block))
+        if self.packed:
+            data = _packing.pack(data, 4, self.axis % x.ndim)
+        return data, NVFP4Scale(code, tensor)
+
+    def decode(self, data):
+        if self.packed:
+            data = _packing.unpack(data, 4, self.axis % data.ndim)
+        return _FP4.decode(data)
+
+    def scale_values(self, scale):
+        return scale.tensor * scale.block.astype(jnp.float32)
+
+    def data_shape(self, shape):
+        if not self.packed:
+            return tuple(shape)
+        a = self.axis % len(shape)
+        return tuple(n // 2 if i == a else n for i, n in enumerate(shape))
+
+    def value_shape(self, data_shape):
+        if not self.packed:
+            return tuple(data_shape)
+        a = self.axis % len(data_shape)
+        return tuple(n * 2 if i == a else n for i, n in enumerate(data_shape))

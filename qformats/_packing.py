@@ -1,0 +1,55 @@
+"""Sub-byte packing of element codes along one axis.
+
+fp4: two codes per byte, element ``2i`` in the low nibble (the order of
+``lax.bitcast_convert_type(uint8 -> float4_e2m1fn)`` and of torchao).
+fp6: four 6-bit codes in three bytes, little-endian: the 24-bit word
+``c0 | c1 << 6 | c2 << 12 | c3 << 18`` stored as bytes ``w & 0xFF, (w >> 8) & 0xFF, w >> 16``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def _split(x, axis, k):
+    """Reshape ``axis`` of length ``n`` into ``(n // k, k)``; returns the k slices."""
+    shape = x.shape
+    g = x.reshape(shape[:axis] + (shape[axis] // k, k) + shape[axis + 1 :])
+    return [jnp.take(g, i, axis=axis + 1) for i in range(k)]
+
+
+def _join(parts, axis):
+    st = jnp.stack(parts, axis=axis + 1)
+    shape = parts[0].shape
+    return st.reshape(shape[:axis] + (shape[axis] * len(parts),) + shape[axis + 1 :])
+
+
+def pack(codes, bits: int, axis: int):
+    """Pack ``uint8`` codes of width ``bits`` (4 or 6) along ``axis``."""
+    if bits == 4:
+        lo, hi = _split(codes, axis, 2)
+        return lo | (hi << 4)
+    if bits == 6:
+        c = [p.astype(jnp.uint32) for p in _split(codes, axis, 4)]
+        w = c[0] | (c[1] << 6) | (c[2] << 12) | (c[3] << 18)
+        return _join([(w & 0xFF).astype(jnp.uint8), ((w >> 8) & 0xFF).astype(jnp.uint8), (w >> 16).astype(jnp.uint8)], axis)
+    raise ValueError(f"cannot pack {bits}-bit codes; only 4 and 6 are supported")
+
+
+def unpack(packed, bits: int, axis: int):
+    """Inverse of :func:`pack`."""
+    if bits == 4:
+        return _join([packed & 0xF, packed >> 4], axis)
+    if bits == 6:
+        b = [p.astype(jnp.uint32) for p in _split(packed, axis, 3)]
+        w = b[0] | (b[1] << 8) | (b[2] << 16)
+        return _join([((w >> s) & 0x3F).astype(jnp.uint8) for s in (0, 6, 12, 18)], axis)
+    raise ValueError(f"cannot unpack {bits}-bit codes; only 4 and 6 are supported")
+
+
+def packed_length(n: int, bits: int) -> int:
+    return n * bits // 8
+
+
+def unpacked_length(n: int, bits: int) -> int:
+    return n * 8 // bits

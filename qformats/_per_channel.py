@@ -1,0 +1,44 @@
+"""Symmetric int8 with one float32 scale per channel."""
+
+from __future__ import annotations
+
+import attrs
+import jax.numpy as jnp
+import numpy as np
+
+from qformats import _elements, _layout
+from qformats._format import ScaledFormat
+
+
+@attrs.frozen
+class PerChannelIntFormat(ScaledFormat):
+    """``value = code * scale[channel]``, ``scale = channel_amax / qmax``, codes in ``[-qmax, qmax]``.
+
+    The channel axis is ``axis`` (default: last); the scale has the data's rank with size 1 on every
+    other axis. Rounding is to nearest, ties to even. An all-zero channel gets scale 1; a channel
+    holding NaN or Inf gets a NaN scale.
+    """
+
+    name: str = "int8_per_channel"
+    axis: int = -1
+    element: _elements.IntElement = _elements.INT8
+
+    @property
+    def layout(self):
+        return _layout.PerChannel(self.axis)
+
+    def quantize(self, x):
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        amax = _layout.block_reduce(jnp.abs(x), block)
+        scale = jnp.where(amax == 0, np.float32(1), amax / np.float32(self.element.qmax))
+        scale = jnp.where(amax <= np.finfo(np.float32).max, scale, np.float32(np.nan))
+        data = self.element.encode(x / _layout.expand(scale, x.shape, block))
+        return data, scale
+
+    def decode(self, data):
+        return self.element.decode(data)
+
+    def scale_values(self, scale):
+        return jnp.asarray(scale, jnp.float32)
