@@ -24,7 +24,7 @@ from qformats._builtins import (
 )
 from qformats._elements import FloatElement, IntElement
 from qformats._format import ScaledFormat
-from qformats._layout import Blocked, Layout, PerChannel, PerTensor, block_reduce, expand
+from qformats._layout import Blocked, Layout, PerChannel, PerTensor, block_amax, block_reduce, expand
 from qformats._mx import MXFormat
 from qformats._nvfp4 import NVFP4Format, NVFP4Scale
 from qformats._per_channel import PerChannelIntFormat
@@ -38,6 +38,6 @@ __all__ = [
     "MXFP8", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "NVFP4",
     "Blocked", "FloatElement", "IntElement", "Layout", "MXFormat", "NVFP4Format", "NVFP4Scale",
     "PerChannel", "PerChannelIntFormat", "PerTensor", "PerTensorFormat", "ScaledFormat",
-    "UnknownFormatError", "block_reduce", "expand", "get_format", "list_formats", "register_format",
+    "UnknownFormatError", "block_amax", "block_reduce", "expand", "get_format", "list_formats", "register_format",
     "unregister_format",
 ]

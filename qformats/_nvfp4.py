@@ -55,8 +55,7 @@ class NVFP4Format(ScaledFormat):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
-        absx = jnp.abs(x)
-        amax = _layout.block_reduce(absx, block)
+        amax = _layout.block_amax(x, block)
         block_scale = amax / np.float32(_FP4.max_value)
         if self.tensor_scale:
             tensor = jnp.max(amax) / np.float32(_E4M3.max_value * _FP4.max_value)

@@ -18,6 +18,18 @@ def _check_mode(instance, attribute, value):
         raise ValueError(f"{attribute.name}={value!r} is not a per-tensor scale mode; choose one of {SCALE_MODES}")
 
 
+def rceil_exponent(amax, max_value: float):
+    """Smallest integer ``e`` with ``amax * 2**-e <= max_value``, without a division.
+
+    Start from ``floor(log2(amax)) - floor(log2(max_value))``; the scaled amax then lies in
+    ``[2**emax, 2**(emax+1))`` and one exact comparison decides whether to step up.
+    """
+    emax = int(np.floor(np.log2(max_value)))
+    e = _bits.floor_log2(amax) - emax
+    scaled = _bits.mul_pow2(amax, jnp.clip(-e, -127, 127))
+    return e + (scaled > np.float32(max_value)).astype(jnp.int32)
+
+
 @attrs.frozen
 class PerTensorFormat(ScaledFormat):
     """``value = element(data) * scale`` with one float32 ``scale`` per tensor.
@@ -42,15 +54,17 @@ class PerTensorFormat(ScaledFormat):
     def quantize(self, x):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)
+        amax = _layout.block_amax(x, x.shape).reshape(()) if x.size else jnp.float32(0)
         finite = amax <= np.float32(np.finfo(np.float32).max)
-        ratio = amax / np.float32(self.max_value)
         if self.scale_mode == "rceil":
-            e = jnp.clip(_bits.ceil_log2(jnp.maximum(ratio, _TINY)), -126, 127)
+            e = jnp.clip(rceil_exponent(amax, self.max_value), -126, 127)
             e = jnp.where(amax == 0, 0, e)
             scale = _bits.pow2(e)
-            data = self.element.encode(x * _bits.pow2(-jnp.minimum(e, 126)) * jnp.where(e > 126, np.float32(0.5), np.float32(1)))
+            data = self.element.encode(_bits.mul_pow2(x, -e))
         else:
+            # max_value is a traced operand, not a constant: XLA would rewrite a division by a
+            # constant into a multiply by its reciprocal, which is subnormal for bf16's max.
+            ratio = amax / jnp.asarray(self.max_value, jnp.float32)
             scale = jnp.where(amax == 0, np.float32(1), jnp.maximum(ratio, _TINY))
             data = self.element.encode(x / scale)
         scale = jnp.where(finite, scale, np.float32(np.nan))

@@ -1,0 +1,262 @@
+"""Properties every registered format must satisfy (built-ins and the custom-format guide's).
+
+References are independent of the code under test: errors are bounded with numpy from the format's
+published element parameters (``max_value``, mantissa width / integer step), and element values
+of minifloat formats are checked against ml_dtypes' decoding.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qformats as qf
+
+FORMATS = qf.list_formats()
+CANDIDATE_SHAPES = [(4, 64), (128, 32), (256, 64), (128, 128)]
+SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def valid_shape(fmt):
+    """The first small 2-D shape the format's layout accepts."""
+    for shape in CANDIDATE_SHAPES:
+        try:
+            fmt.block_shape(shape)
+            return shape
+        except ValueError:
+            continue
+    raise AssertionError(f"no candidate shape fits {fmt!r}")
+
+
+def make_input(shape, seed, lo, hi, zero_frac):
+    """Signed values with log-uniform magnitudes in [2**lo, 2**hi], some exact zeros."""
+    rng = np.random.default_rng(seed)
+    mag = 2.0 ** rng.uniform(lo, hi, size=shape)
+    x = (np.where(rng.random(shape) < 0.5, -1, 1) * mag).astype(np.float32)
+    x[rng.random(shape) < zero_frac] = 0
+    return x
+
+
+def half_step(element, v):
+    """Largest round-to-nearest error of element value ``v`` (numpy, from the element's spec)."""
+    if isinstance(element, qf.IntElement):
+        return np.full(v.shape, element.step / 2)
+    e = np.floor(np.log2(np.maximum(np.abs(v), 2.0**-300)))
+    return 2.0 ** (np.maximum(e, element.emin) - element.mbits - 1)
+
+
+def expanded_scale(fmt, scale, shape):
+    s = np.asarray(fmt.scale_values(scale), np.float64)
+    block = fmt.block_shape(shape)
+    for axis, b in enumerate(block):
+        s = np.repeat(s.reshape(s.shape if s.ndim else (1,) * len(shape)), b, axis=axis) if s.ndim else s
+    return np.broadcast_to(s, shape)
+
+
+inputs = st.tuples(
+    st.integers(0, 2**31 - 1),
+    st.integers(-20, 0),
+    st.integers(0, 20),
+    st.sampled_from([0.0, 0.1]),
+)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@SETTINGS
+@given(params=inputs)
+def test_round_trip_error_bound(name, params):
+    """|dequant - x| <= half an element step * block scale for in-range values; beyond: saturate."""
+    fmt = qf.get_format(name)
+    shape = valid_shape(fmt)
+    x = make_input(shape, *params)
+    data, scale = fmt.quantize(jnp.asarray(x))
+    deq = np.asarray(fmt.dequantize(data, scale), np.float64)
+    s = expanded_scale(fmt, scale, shape)
+    v = x / s
+    in_range = np.abs(v) <= fmt.max_value
+    bound = half_step(fmt.element, v) * s + 2.0**-22 * np.abs(x)  # slack: x / s rounds in float32
+    err = np.abs(deq - x)
+    assert np.all(err[in_range] <= bound[in_range]), f"max excess {np.max(err - bound)}"
+    np.testing.assert_allclose(np.abs(deq[~in_range]), (fmt.max_value * s)[~in_range], rtol=1e-6)
+    assert np.all(np.sign(deq) * np.sign(x) >= 0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@SETTINGS
+@given(params=inputs)
+def test_requantize_is_fixed_point(name, params):
+    """quantize(dequantize(q)) represents the same values as q.
+
+    Exactly when the scales are powers of two (the requantized amax gives the same exponent).
+    A scale of amax / max_value is recomputed from amax' = code * scale, rounded in float32, so
+    there the values may move by a few float32 ulps, never by an element step.
+    """
+    fmt = qf.get_format(name)
+    x = make_input(valid_shape(fmt), *params)
+    q = fmt.quantize(jnp.asarray(x))
+    y = np.asarray(fmt.dequantize(*q))
+    y2 = np.asarray(fmt.dequantize(*fmt.quantize(jnp.asarray(y))))
+    s = np.asarray(fmt.scale_values(q[1]), np.float64)
+    pow2 = np.all(np.frexp(s[np.isfinite(s) & (s > 0)])[0] == 0.5)
+    if pow2:
+        np.testing.assert_array_equal(y2, y)
+    else:
+        np.testing.assert_allclose(y2, y, rtol=4 * 2.0**-23, atol=0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_zero_blocks_stay_zero(name):
+    fmt = qf.get_format(name)
+    shape = valid_shape(fmt)
+    x = make_input(shape, 0, -3, 3, 0.0)
+    block = fmt.block_shape(shape)
+    x[: block[0], : block[1]] = 0  # one whole block of zeros
+    deq = np.asarray(fmt.dequantize(*fmt.quantize(jnp.asarray(x))))
+    assert np.all(deq[: block[0], : block[1]] == 0)
+    assert np.all(np.isfinite(deq))
+    zeros = np.zeros(shape, np.float32)
+    assert np.all(np.asarray(fmt.dequantize(*fmt.quantize(jnp.asarray(zeros)))) == 0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_inf_policy(name, bad):
+    """A NaN makes its block NaN; Inf makes it NaN (E8M0/float32 scales) or saturates (E4M3 scales).
+
+    Blocks that share no scale with the bad element are unaffected, unless the format has a tensor-
+    wide scale level computed from the amax (per-tensor, two-level NVFP4): then the whole tensor.
+    """
+    fmt = qf.get_format(name)
+    shape = valid_shape(fmt)
+    x = make_input(shape, 1, -3, 3, 0.0)
+    x[0, 0] = bad
+    deq = np.asarray(fmt.dequantize(*fmt.quantize(jnp.asarray(x))))
+    block = fmt.block_shape(shape)
+    in_block = np.zeros(shape, bool)
+    in_block[: block[0], : block[1]] = True
+    if np.isnan(bad):
+        assert np.isnan(deq[0, 0])
+    else:
+        assert np.isnan(deq[0, 0]) or deq[0, 0] == np.sign(bad) * np.max(np.abs(deq[in_block]))
+    tensor_wide = np.all(np.isnan(deq))
+    if not tensor_wide:
+        np.testing.assert_array_equal(
+            deq[~in_block], np.asarray(fmt.dequantize(*fmt.quantize(jnp.asarray(np.where(in_block, 0, x)))))[~in_block]
+        )
+    assert not np.any(np.isinf(deq))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_shapes_dtypes_jit_vmap(name):
+    fmt = qf.get_format(name)
+    shape = valid_shape(fmt)
+    x = jnp.asarray(make_input(shape, 2, -5, 5, 0.05))
+    data, scale = fmt.quantize(x)
+    assert data.shape == fmt.data_shape(shape)
+    assert fmt.value_shape(data.shape) == shape
+    assert jax.tree.leaves(scale)[0].shape == fmt.scale_shape(shape)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        assert fmt.dequantize(data, scale, dtype=dtype).dtype == dtype
+    jd, js = jax.jit(fmt.quantize)(x)
+    np.testing.assert_array_equal(np.asarray(jd), np.asarray(data))
+    for a, b in zip(jax.tree.leaves(js), jax.tree.leaves(scale), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(fmt.dequantize)(data, scale)), np.asarray(fmt.dequantize(data, scale))
+    )
+    # vmap over a new leading axis equals quantizing each slice on its own.
+    xs = jnp.stack([x, 2 * x, -x])
+    vd, vs = jax.vmap(fmt.quantize)(xs)
+    vdeq = jax.vmap(fmt.dequantize)(vd, vs)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(vdeq[i]), np.asarray(fmt.dequantize(*fmt.quantize(xs[i]))))
+    # bf16 / f16 inputs are accepted and quantized from their float32 value.
+    np.testing.assert_array_equal(
+        np.asarray(fmt.dequantize(*fmt.quantize(x.astype(jnp.bfloat16)))),
+        np.asarray(fmt.dequantize(*fmt.quantize(x.astype(jnp.bfloat16).astype(jnp.float32)))),
+    )
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_equal_formats_do_not_recompile(name):
+    fmt = qf.get_format(name)
+    traces = []
+
+    @jax.jit
+    def roundtrip(x, fmt):
+        traces.append(1)
+        return fmt.dequantize(*fmt.quantize(x))
+
+    roundtrip = jax.jit(roundtrip.__wrapped__, static_argnums=1)
+    x = jnp.asarray(make_input(valid_shape(fmt), 3, -2, 2, 0.0))
+    roundtrip(x, fmt)
+    roundtrip(x + 1, fmt.replace())  # an equal copy is the same cache key
+    assert len(traces) == 1
+    assert hash(fmt) == hash(fmt.replace()) and fmt == fmt.replace()
+
+
+@pytest.mark.parametrize(
+    "fmt,mltype",
+    [
+        (qf.MXFP8, ml_dtypes.float8_e4m3fn),
+        (qf.MXFP8_E5M2, ml_dtypes.float8_e5m2),
+        (qf.MXFP6_E2M3, ml_dtypes.float6_e2m3fn),
+        (qf.MXFP6_E3M2, ml_dtypes.float6_e3m2fn),
+        (qf.MXFP4, ml_dtypes.float4_e2m1fn),
+        (qf.FP8_E4M3, ml_dtypes.float8_e4m3fn),
+    ],
+)
+def test_elements_match_ml_dtypes_rounding(fmt, mltype):
+    """Element values equal ml_dtypes' round-to-nearest-even of x / scale (clamped to max)."""
+    shape = valid_shape(fmt)
+    x = make_input(shape, 4, -12, 12, 0.05)
+    data, scale = fmt.quantize(jnp.asarray(x))
+    s = expanded_scale(fmt, scale, shape).astype(np.float32)
+    v = np.clip(x / s, -fmt.max_value, fmt.max_value)
+    expected = v.astype(mltype).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(fmt.decode(data)), expected)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "nvfp4"])
+def test_packed_storage_is_real(name):
+    """Sub-byte formats pack by default; unpacked variants hold one code per byte, same values."""
+    fmt = qf.get_format(name)
+    limit = {"mxfp4": 0.54, "mxfp6_e2m3": 0.79, "mxfp6_e3m2": 0.79, "nvfp4": 0.57}[name]
+    assert fmt.nbytes((1024, 1024)) / 1024**2 <= limit
+    x = jnp.asarray(make_input((8, 64), 5, -4, 4, 0.0))
+    loose = fmt.replace(packed=False)
+    assert loose.quantize(x)[0].shape == (8, 64)
+    np.testing.assert_array_equal(
+        np.asarray(fmt.dequantize(*fmt.quantize(x))), np.asarray(loose.dequantize(*loose.quantize(x)))
+    )
+
+
+@pytest.mark.parametrize("axis", [0, 1, -2])
+def test_mx_axis_equals_transposed(axis):
+    x = jnp.asarray(make_input((64, 96), 6, -6, 6, 0.0))
+    fmt = qf.MXFP4.replace(axis=axis)
+    got = fmt.dequantize(*fmt.quantize(x))
+    if axis % 2 == 0:
+        ref = qf.MXFP4.dequantize(*qf.MXFP4.quantize(x.T)).T
+    else:
+        ref = qf.MXFP4.dequantize(*qf.MXFP4.quantize(x))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_scale_modes_order():
+    """For a block whose amax is not a power of two: floor <= even <= ceil exponents; rceil never saturates."""
+    x = jnp.asarray(make_input((16, 256), 7, -8, 8, 0.0))
+    exps = {}
+    for mode in ("floor", "ceil", "even", "rceil"):
+        fmt = qf.MXFP8.replace(scale_mode=mode)
+        data, scale = fmt.quantize(x)
+        exps[mode] = np.asarray(jax.lax.bitcast_convert_type(scale, jnp.uint8)).astype(int)
+        if mode == "rceil":
+            assert np.all(np.abs(np.asarray(fmt.decode(data))) <= fmt.max_value)
+            amax = np.abs(np.asarray(x)).reshape(16, 8, 32).max(-1)
+            assert np.all(amax / 2.0 ** (exps[mode] - 127) <= fmt.max_value)
+    assert np.all(exps["floor"] <= exps["even"]) and np.all(exps["even"] <= exps["ceil"])
+    assert np.all(exps["ceil"] - exps["floor"] <= 1)
