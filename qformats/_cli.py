@@ -81,7 +81,8 @@ def _print_compare(result, tensors) -> None:
         print()
     if result.overall:
         print(
-            f"overall: {result.overall} is the smallest format that reaches {result.min_sqnr:g} dB SQNR on every tensor."
+            f"overall: {result.overall} is the smallest format that reaches {result.min_sqnr:g} dB SQNR"
+            " on every tensor."
         )
     elif by_tensor:
         print(

@@ -54,17 +54,12 @@ def grid_shape(shape, block):
 def block_reduce(x, block, reducer=jnp.max):
     """Reduce ``x`` over each block: result has the scale-grid shape.
 
-    ``jnp.max`` on floats is a ``reduce_window`` with window = stride = block (fastest on CPU);
-    other reducers reshape to interleaved ``(g_0, b_0, g_1, b_1, ...)`` and reduce the odd axes.
+    Implemented as a reshape to interleaved ``(g_0, b_0, g_1, b_1, ...)`` then a reduction over the
+    odd axes, which XLA fuses into the producer.
     """
     shape = x.shape
     if not shape:
         return reducer(x)
-    if reducer is jnp.max and jnp.issubdtype(x.dtype, jnp.floating):
-        # One strided window per block: XLA CPU emits this as a single vectorized loop, about twice
-        # as fast as reshape + reduce (same values, NaN propagates the same way).
-        blk = tuple(int(b) for b in block)
-        return lax.reduce_window(x, jnp.array(-jnp.inf, x.dtype), lax.max, blk, blk, "VALID")
     grid = grid_shape(shape, block)
     inter = [d for pair in zip(grid, block, strict=True) for d in pair]
     return reducer(x.reshape(inter), axis=tuple(range(1, 2 * len(shape), 2)))
@@ -73,12 +68,25 @@ def block_reduce(x, block, reducer=jnp.max):
 def block_amax(x, block):
     """``max(|x|)`` over each block as float32; NaN if the block holds a NaN.
 
-    Reduces the float32 bit patterns as integers: for non-negative floats integer order equals
-    float order, and NaN patterns sort above Inf. (XLA's vectorised float max-reduction on CPU does
-    not reliably propagate NaN.)
+    The exact result is the maximum of the float32 bit patterns as integers: for non-negative
+    floats integer order equals float order, and NaN patterns sort above Inf. (XLA's vectorised
+    float max-reduction on CPU does not reliably propagate NaN.)
     """
-    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32) & 0x7FFFFFFF
-    return lax.bitcast_convert_type(block_reduce(bits, block, jnp.max), jnp.float32)
+    x = jnp.asarray(x, jnp.float32)
+
+    def exact(x):
+        bits = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
+        return lax.bitcast_convert_type(block_reduce(bits, block, jnp.max), jnp.float32)
+
+    if not x.shape or x.size == 0:
+        return exact(x)
+    # Fast path (about 4x faster on CPU than the integer reduction): a float reduce_window with
+    # window = stride = block over |x| with NaN replaced by Inf. It is exact for every block without
+    # a NaN; if any block came out Inf (an Inf or a NaN), redo the integer reduction so NaN blocks
+    # keep their NaN. lax.cond runs only one branch (under vmap both, which is still correct).
+    blk = tuple(int(b) for b in block)
+    fast = lax.reduce_window(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), -jnp.inf, lax.max, blk, blk, "VALID")
+    return lax.cond(jnp.any(fast == jnp.inf), lambda: exact(x), lambda: fast)
 
 
 def expand(scale, shape, block):
