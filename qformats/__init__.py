@@ -22,6 +22,7 @@ from qformats._builtins import (
     MXINT8,
     NVFP4,
 )
+from qformats._compare import compare
 from qformats._elements import FloatElement, IntElement
 from qformats._format import ScaledFormat
 from qformats._layout import Blocked, Layout, PerChannel, PerTensor, block_amax, block_reduce, expand
@@ -38,6 +39,6 @@ __all__ = [
     "MXFP8", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "NVFP4",
     "Blocked", "FloatElement", "IntElement", "Layout", "MXFormat", "NVFP4Format", "NVFP4Scale",
     "PerChannel", "PerChannelIntFormat", "PerTensor", "PerTensorFormat", "ScaledFormat",
-    "UnknownFormatError", "block_amax", "block_reduce", "expand", "get_format", "list_formats", "register_format",
+    "UnknownFormatError", "block_amax", "compare", "block_reduce", "expand", "get_format", "list_formats", "register_format",
     "unregister_format",
 ]
