@@ -96,7 +96,9 @@ class ScaledFormat(abc.ABC):
             return attrs.evolve(self, **changes)
         except TypeError as e:
             fields = ", ".join(f.name for f in attrs.fields(type(self)))
-            raise TypeError(f"{type(self).__name__} has no field among {sorted(changes)}; its fields are: {fields}") from e
+            raise TypeError(
+                f"{type(self).__name__} has no field among {sorted(changes)}; its fields are: {fields}"
+            ) from e
 
     def nbytes(self, shape) -> int:
         """Bytes of ``data`` plus every scale leaf for a logical ``shape``."""

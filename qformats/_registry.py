@@ -33,11 +33,15 @@ def register_format(fmt: ScaledFormat, name: str | None = None, *, overwrite: bo
     be used as ``MYFMT = register_format(MyFormat(...))``.
     """
     if not isinstance(fmt, ScaledFormat):
-        raise TypeError(f"register_format expects a qformats.ScaledFormat, got {type(fmt).__name__}. Subclass qformats.ScaledFormat (see docs/custom_formats.md).")
+        raise TypeError(
+            f"register_format expects a qformats.ScaledFormat, got {type(fmt).__name__}. Subclass qformats.ScaledFormat (see docs/custom_formats.md)."
+        )
     key = (name or fmt.name).lower()
     for k in (key, *(a.lower() for a in aliases)):
         if not overwrite and (k in _FORMATS or k in _ALIASES) and _lookup(k) != fmt:
-            raise ValueError(f"a format is already registered as {k!r}: {_lookup(k)!r}. Pick another name or pass overwrite=True.")
+            raise ValueError(
+                f"a format is already registered as {k!r}: {_lookup(k)!r}. Pick another name or pass overwrite=True."
+            )
     _ALIASES.pop(key, None)
     _FORMATS[key] = fmt
     for a in aliases:

@@ -14,7 +14,9 @@ VECTORS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "vectors
 def vectors_dir():
     path = os.environ.get("QFORMATS_VECTORS", VECTORS)
     if not os.path.isdir(path):
-        pytest.skip(f"reference vectors not found at {path}: put the shared/ folder beside the checkout or set QFORMATS_VECTORS")
+        pytest.skip(
+            f"reference vectors not found at {path}: put the shared/ folder beside the checkout or set QFORMATS_VECTORS"
+        )
     return path
 
 

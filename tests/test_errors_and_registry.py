@@ -39,11 +39,15 @@ def test_unknown_format_lists_known_names():
 
 
 def test_bad_scale_mode_and_field():
-    with pytest.raises(ValueError, match=r"'nearest' is not an MX scale mode; choose one of \('floor', 'ceil', 'even', 'rceil'\)"):
+    with pytest.raises(
+        ValueError, match=r"'nearest' is not an MX scale mode; choose one of \('floor', 'ceil', 'even', 'rceil'\)"
+    ):
         qf.MXFP8.replace(scale_mode="nearest")
     with pytest.raises(ValueError, match="per-tensor scale mode"):
         qf.FP8_E4M3.replace(scale_mode="floor")
-    with pytest.raises(TypeError, match=r"MXFormat has no field among \['blocksize'\]; its fields are: name, element, axis"):
+    with pytest.raises(
+        TypeError, match=r"MXFormat has no field among \['blocksize'\]; its fields are: name, element, axis"
+    ):
         qf.MXFP8.replace(blocksize=16)
 
 

@@ -1,0 +1,45 @@
+"""scalify: scale propagation through JAX programs, for every quantization format.
+
+import scalify as jsa
+sx = jsa.as_scaled_array(x, scale=2.0)              # carrier form: data = x / 2
+mx = jsa.as_scaled_array(w, fmt=qformats.MXFP8)     # quantized with a format
+y = jsa.scalify(fn)(sx, mx)                         # ScaledArray outputs
+"""
+
+from scalify import (
+    _rules_additive,
+    _rules_collectives,
+    _rules_commuting,
+    _rules_control,
+    _rules_multiplicative,
+    _rules_nonlinear,
+    amp,
+    ops,
+)
+from scalify._config import Pow2RoundMode, ScalifyConfig, get_config, pow2_round
+from scalify._interpreter import scalify
+from scalify._registry import RULES, Rule, ScalifyUnsupportedError, register_rule
+from scalify._scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf
+from scalify._sharding import device_put, scaled_sharding
+
+del _rules_additive, _rules_collectives, _rules_commuting, _rules_control, _rules_multiplicative, _rules_nonlinear
+
+__all__ = [
+    "RULES",
+    "Pow2RoundMode",
+    "Rule",
+    "ScaledArray",
+    "ScalifyConfig",
+    "ScalifyUnsupportedError",
+    "as_scaled_array",
+    "amp",
+    "asarray",
+    "device_put",
+    "get_config",
+    "is_scaled_leaf",
+    "ops",
+    "pow2_round",
+    "register_rule",
+    "scaled_sharding",
+    "scalify",
+]

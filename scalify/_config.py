@@ -1,0 +1,130 @@
+"""Scalify configuration: power-of-two rounding of scales and the output-format policy.
+
+``ScalifyConfig`` is a context manager; the active configuration is read at trace time (like
+``jax.default_matmul_precision``), so a jitted scalified function keeps the configuration it was
+traced with.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class Pow2RoundMode(enum.IntEnum):
+    """How a new scale is rounded to a power of two (jax-scalify's modes)."""
+
+    NONE = 0
+    """No rounding: scales are arbitrary float32 values."""
+    DOWN = 1
+    """Round down to the power of two below (the default: data stays in ``[1, 2)`` x the norm)."""
+    UP = 2
+    """Round up to the power of two above."""
+    STOCHASTIC = 3
+    """Round up or down at random, with probability proportional to the distance (unbiased in log)."""
+
+
+@attrs.frozen(kw_only=True)
+class ScalifyConfig:
+    """Configuration of the scalify interpreter, usable as a context manager.
+
+    Args:
+        rounding_mode: power-of-two rounding of every scale a rule creates.
+        keep_format: when True, the output of an elementwise or structural rule whose scaled input
+            carried a format (``as_scaled_array(x, fmt=...)``) is re-quantized into that format (as
+            long as the output shape fits the format's layout). When False (default) rules return
+            the *carrier* form: data in the logical dtype and float32 scales.
+        dot_output_format: format of the output of contractions (dot_general, conv). ``None``
+            (default) gives a carrier array (per-tensor scale for blocked operands, as MX hardware
+            accumulates in float32); a ``qformats`` format re-quantizes the output into it.
+        stochastic_seed: seed of the stochastic rounding mode.
+    """
+
+    rounding_mode: Pow2RoundMode = Pow2RoundMode.DOWN
+    keep_format: bool = False
+    dot_output_format: object = None
+    stochastic_seed: int = 0
+
+    def __enter__(self):
+        _STACK.stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _STACK.stack.pop()
+        return False
+
+
+class _Stack(threading.local):
+    def __init__(self):
+        self.stack = [ScalifyConfig()]
+        self.counter = 0
+
+
+_STACK = _Stack()
+
+
+def get_config() -> ScalifyConfig:
+    """The active :class:`ScalifyConfig`."""
+    return _STACK.stack[-1]
+
+
+_EXP_MASK = np.int32(0x7F800000)
+_MANT_MASK = np.int32(0x007FFFFF)
+
+
+def pow2_round_down(x):
+    """Largest power of two <= ``x`` (positive normal float32), with integer ops on the bits."""
+    x = jnp.asarray(x, jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return lax.bitcast_convert_type(bits & _EXP_MASK, jnp.float32)
+
+
+def pow2_round_up(x):
+    """Smallest power of two >= ``x`` (positive normal float32)."""
+    x = jnp.asarray(x, jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    exact = (bits & _MANT_MASK) == 0
+    up = (bits & _EXP_MASK) + np.int32(1 << 23)
+    return lax.bitcast_convert_type(jnp.where(exact, bits, up), jnp.float32)
+
+
+def pow2_round(x, mode: Pow2RoundMode | None = None):
+    """Round a positive scale ``x`` to a power of two following ``mode`` (default: the config's)."""
+    if mode is None:
+        mode = get_config().rounding_mode
+    if mode == Pow2RoundMode.NONE:
+        return jnp.asarray(x, jnp.float32)
+    if mode == Pow2RoundMode.DOWN:
+        return pow2_round_down(x)
+    if mode == Pow2RoundMode.UP:
+        return pow2_round_up(x)
+    if mode == Pow2RoundMode.STOCHASTIC:
+        x = jnp.asarray(x, jnp.float32)
+        cfg = get_config()
+        _STACK.counter += 1
+        key = jax.random.fold_in(jax.random.key(cfg.stochastic_seed), _STACK.counter)
+        down = pow2_round_down(x)
+        p = x / down - 1.0  # in [0, 1): linear position between down and 2 * down
+        u = jax.random.uniform(key, jnp.shape(x), jnp.float32)
+        return jnp.where(u < p, down * 2.0, down)
+    raise ValueError(f"Unknown Pow2RoundMode {mode!r}")
+
+
+def pow2_round_np(x: float, mode: Pow2RoundMode | None = None) -> float:
+    """Static (numpy) version of :func:`pow2_round` for Python scalars; STOCHASTIC rounds down."""
+    if mode is None:
+        mode = get_config().rounding_mode
+    x = float(x)
+    if mode == Pow2RoundMode.NONE or x == 0.0 or not np.isfinite(x):
+        return x
+    m, e = np.frexp(abs(x))  # abs(x) = m * 2**e, m in [0.5, 1)
+    down = float(np.ldexp(1.0, int(e) - 1))
+    if mode == Pow2RoundMode.UP and m != 0.5:
+        return down * 2.0
+    return down

@@ -1,0 +1,166 @@
+"""The scalify interpreter: trace to a jaxpr on logical avals, evaluate it with the rule table."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from scalify._config import get_config
+from scalify._jax_compat import DropVar, Literal, bind_eqn, sub_jaxprs
+from scalify._registry import RULES, ScalifyUnsupportedError
+from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
+
+# Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
+_FORMAT_KEEPING_GROUPS = ("commuting", "additive", "multiplicative-elementwise")
+
+_ALWAYS_CACHE: dict[int, tuple[object, bool]] = {}
+
+
+def _contains_always(jaxpr) -> bool:
+    """Whether ``jaxpr`` (or a nested jaxpr) uses a primitive that creates ScaledArrays."""
+    key = id(jaxpr)
+    hit = _ALWAYS_CACHE.get(key)
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    found = any((RULES.get(e.primitive) is not None and RULES[e.primitive].always) for e in inner.eqns) or any(
+        _contains_always(j) for j in sub_jaxprs(inner)
+    )
+    if len(_ALWAYS_CACHE) > 4096:
+        _ALWAYS_CACHE.clear()
+    _ALWAYS_CACHE[key] = (jaxpr, found)
+    return found
+
+
+def _describe(x) -> str:
+    if isinstance(x, ScaledArray):
+        fmt = x.fmt.name if x.fmt is not None else "carrier (data + float32 scale)"
+        return f"ScaledArray[{x.dtype}{list(x.shape)}, format {fmt}]"
+    return f"plain {jnp.result_type(x)}{list(jnp.shape(x))}"
+
+
+def unsupported(eqn, invals):
+    operands = ", ".join(_describe(x) for x in invals)
+    return ScalifyUnsupportedError(
+        f"scalify has no rule for primitive `{eqn.primitive.name}`, which received a scaled operand "
+        f"(operands: {operands}). Dequantize explicitly before this operation with "
+        f"`scalify.ops.dequantize(x)` inside the function (or `x.to_array()` outside it), or register "
+        f"a rule with `scalify.register_rule({eqn.primitive.name}_p, ...)`. See docs/operators.md "
+        f"for the supported primitives."
+    )
+
+
+def _needs_rule(eqn, invals) -> bool:
+    if any(isinstance(x, ScaledArray) for x in invals):
+        return True
+    rule = RULES.get(eqn.primitive)
+    if rule is not None and rule.always:
+        return True
+    if rule is not None and rule.group == "control":
+        from jax.extend.core import jaxprs_in_params
+
+        return any(_contains_always(j) for j in jaxprs_in_params(eqn.params))
+    return False
+
+
+def _first_format(invals):
+    for x in invals:
+        if isinstance(x, ScaledArray) and x.fmt is not None:
+            return x.fmt
+    return None
+
+
+def _maybe_keep_format(rule, invals, outs):
+    fmt = _first_format(invals)
+    if fmt is None or rule.group not in _FORMAT_KEEPING_GROUPS:
+        return outs
+    res = []
+    for o in outs:
+        if isinstance(o, ScaledArray) and o.fmt is None and jnp.issubdtype(o.dtype, jnp.floating):
+            try:
+                fmt.block_shape(o.shape)
+            except (ValueError, IndexError):
+                res.append(o)
+                continue
+            data, scale = fmt.quantize(o.to_array(jnp.float32))
+            res.append(ScaledArray(data, scale, fmt=fmt, dtype=o.dtype))
+        else:
+            res.append(o)
+    return res
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+    """Evaluate an open ``jaxpr`` on ScaledArrays and plain values with the rule table."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    def write(v, val):
+        if not isinstance(v, DropVar):
+            env[v] = val
+
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        write(v, c)
+    for v, a in zip(jaxpr.invars, args, strict=True):
+        write(v, a)
+    keep = get_config().keep_format
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if _needs_rule(eqn, invals):
+            rule = RULES.get(eqn.primitive)
+            if rule is None:
+                raise unsupported(eqn, invals)
+            args_ = invals if rule.raw else [to_carrier(x) if isinstance(x, ScaledArray) else x for x in invals]
+            outs = rule.fn(eqn, *args_)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            if keep:
+                outs = _maybe_keep_format(rule, invals, list(outs))
+        else:
+            outs = bind_eqn(eqn, invals)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            write(v, o)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def eval_closed(closed, *args):
+    return eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def _abstract(x):
+    if isinstance(x, ScaledArray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def scalify(fun):
+    """Transform ``fun`` so that it propagates scales through ScaledArray inputs.
+
+    ``fun`` is traced on the logical shapes and dtypes of its inputs (ScaledArrays are seen as plain
+    arrays), then its jaxpr is evaluated with scaling rules. Equations without scaled operands are
+    bound unchanged. Plain inputs only: ``scalify(fun)`` calls ``fun`` directly.
+    """
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
+
+        def flat_fun(*flat):
+            a, k = treedef.unflatten(flat)
+            return fun(*a, **k)
+
+        if not any(isinstance(x, ScaledArray) for x in leaves):
+            # Plain inputs: behave like `fun`, unless it creates ScaledArrays (scalify.ops.quantize).
+            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*leaves)
+            if not _contains_always(closed):
+                return fun(*args, **kwargs)
+        else:
+            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[_abstract(x) for x in leaves])
+        out_tree = jax.tree.structure(out_shape)
+        outs = eval_closed(closed, *leaves)
+        return jax.tree.unflatten(out_tree, outs)
+
+    return wrapped

@@ -1,0 +1,127 @@
+"""Additive rules: operands are brought to a common scale (per block), then data is summed.
+
+Per-tensor operands follow jax-scalify: the common scale of ``a + b`` is ``sqrt(sa**2 + sb**2)``
+rounded to a power of two. Sums over ``n`` terms (reduce_sum, cumsum, reduce_window_sum) pre-scale
+the data by a power of two near ``1/sqrt(n)`` so the accumulation cannot overflow the carrier dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from scalify._jax_compat import add_any_p, bind_eqn, lax_primitive, p
+from scalify._registry import register_rule
+from scalify._rules_common import align, combine_l2, fold, per_tensor, promote, sqrt_rescale
+from scalify._scaled_array import ScaledArray, block_of
+
+
+def _add(eqn, *xs):
+    datas, s = align(list(xs), combine_l2)
+    return ScaledArray(bind_eqn(eqn, datas)[0], s)
+
+
+register_rule(
+    [p.add_p, p.sub_p, add_any_p],
+    "additive",
+    "common scale sqrt(sa^2+sb^2) rounded to a power of two, per block when blocks line up "
+    "(else folded to per-tensor); output carrier.",
+)(_add)
+
+
+def _prescaled(data, r):
+    if r == 1.0:
+        return data
+    return data * jnp.asarray(1.0 / r, data.dtype)
+
+
+@register_rule(
+    [p.reduce_sum_p],
+    "additive",
+    "data pre-scaled by 2^-k ~ 1/sqrt(n), summed; scale * 2^k. Block scales kept when blocks span the "
+    "reduced axes (per-channel), else folded to per-tensor.",
+)
+def _reduce_sum(eqn, x):
+    axes = tuple(eqn.params["axes"])
+    n = math.prod(x.data.shape[a] for a in axes)
+    r = sqrt_rescale(n)
+    if not per_tensor(x) and not all(x.scale.shape[a] == 1 for a in axes):
+        x = fold(x)
+    (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
+    scale = x.scale if per_tensor(x) else jnp.squeeze(x.scale, axis=axes)
+    return ScaledArray(data, scale * r)
+
+
+@register_rule(
+    [p.cumsum_p],
+    "additive",
+    "like reduce_sum along the scanned axis (block scales kept if they span it, else folded).",
+)
+def _cumsum(eqn, x):
+    axis = eqn.params["axis"]
+    r = sqrt_rescale(x.data.shape[axis])
+    if not per_tensor(x) and x.scale.shape[axis] != 1:
+        x = fold(x)
+    (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
+    return ScaledArray(data, x.scale * r)
+
+
+@register_rule(
+    [p.reduce_window_sum_p],
+    "additive",
+    "per-tensor (blocks folded): data pre-scaled by ~1/sqrt(window size), summed; scale * 2^k.",
+)
+def _reduce_window_sum(eqn, x):
+    x = fold(x)
+    r = sqrt_rescale(math.prod(eqn.params["window_dimensions"]))
+    (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
+    return ScaledArray(data, x.scale * r)
+
+
+@register_rule(
+    [p.concatenate_p],
+    "additive",
+    "same block shape on every operand: data and block scales concatenated; else common scale (max).",
+)
+def _concatenate(eqn, *xs):
+    dim = eqn.params["dimension"]
+    ps = [promote(x, zero_adopts=False) for x in xs]
+    blocks = {block_of(tuple(q.scale.shape), tuple(q.data.shape)) for q in ps if not per_tensor(q)}
+    if not any(per_tensor(q) for q in ps) and len(blocks) == 1:
+        (data,) = bind_eqn(eqn, [q.data for q in ps])
+        return ScaledArray(data, jnp.concatenate([q.scale for q in ps], axis=dim))
+    ps = [fold(q) for q in ps]
+    datas, s = align(ps)
+    return ScaledArray(bind_eqn(eqn, datas)[0], s)
+
+
+_stack_p = lax_primitive("stack")
+if _stack_p is not None:
+
+    @register_rule(_stack_p, "additive", "same block shape: data and block scales stacked; else common scale (max).")
+    def _stack(eqn, *xs):
+        axis = eqn.params["axis"]
+        ps = [promote(x, zero_adopts=False) for x in xs]
+        blocks = {block_of(tuple(q.scale.shape), tuple(q.data.shape)) for q in ps if not per_tensor(q)}
+        if not any(per_tensor(q) for q in ps) and len(blocks) == 1:
+            (data,) = bind_eqn(eqn, [q.data for q in ps])
+            return ScaledArray(data, jnp.stack([q.scale for q in ps], axis=axis))
+        datas, s = align([fold(q) for q in ps])
+        return ScaledArray(bind_eqn(eqn, datas)[0], s)
+
+
+_scatter_sub_p = lax_primitive("scatter-sub")
+
+
+@register_rule(
+    [p.scatter_add_p, p.scatter_p] + ([_scatter_sub_p] if _scatter_sub_p is not None else []),
+    "additive",
+    "operand and updates folded to per-tensor and brought to a common scale (l2 for scatter-add, "
+    "max for scatter); indices plain.",
+)
+def _scatter(eqn, operand, indices, updates):
+    combine = None if eqn.primitive is p.scatter_p else combine_l2
+    ops = [fold(q) if isinstance(q, ScaledArray) else q for q in (operand, updates)]
+    datas, s = align(ops, combine) if combine else align(ops)
+    return ScaledArray(bind_eqn(eqn, [datas[0], indices, datas[1]])[0], s)

@@ -1,0 +1,260 @@
+"""Helpers shared by the rule modules: promotion, alignment to a common scale, folding, re-quantizing.
+
+All helpers take *carrier* ScaledArrays (see :mod:`scalify._scaled_array`) and plain arrays; the
+block structure of a carrier is read from the shapes alone (``block = data.shape // scale.shape``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
+from scalify._jax_compat import bind_eqn, is_tracer
+from scalify._scaled_array import ScaledArray, expand_scale
+
+F32 = jnp.float32
+
+
+def is_scaled(x) -> bool:
+    return isinstance(x, ScaledArray)
+
+
+def is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def per_tensor(x: ScaledArray) -> bool:
+    return jnp.ndim(x.scale) == 0
+
+
+def out_aval(eqn, i=0):
+    return eqn.outvars[i].aval
+
+
+def static_scalar(x):
+    """The Python float of a concrete size-1 array or scalar, else None."""
+    if is_scaled(x) or is_tracer(x):
+        return None
+    arr = np.asarray(x)
+    if arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
+        return None
+    return float(arr.reshape(()))
+
+
+class _Zero:
+    """Marker scale of a static zero operand: it adopts whatever common scale the others pick."""
+
+
+ZERO = _Zero()
+
+
+def promote(x, *, zero_adopts=True):
+    """A carrier ScaledArray for a plain operand.
+
+    A static scalar is split exactly into ``data * 2**e`` with data in ``[1, 2)``; a static zero
+    gets the marker scale ``ZERO`` (it adopts the other operands' scale); other plain arrays get
+    ``scale = 1`` (the jax-scalify convention).
+    """
+    if is_scaled(x):
+        return x
+    v = static_scalar(x)
+    arr = jnp.asarray(x)
+    if v is not None:
+        if v == 0.0 and zero_adopts:
+            return ScaledArray(arr, ZERO)
+        if np.isfinite(v) and v != 0.0:
+            s = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
+            return ScaledArray(jnp.asarray(v / s, arr.dtype).reshape(arr.shape), jnp.asarray(s, F32))
+    return ScaledArray(arr, jnp.ones((), F32))
+
+
+def fold(x: ScaledArray) -> ScaledArray:
+    """Per-tensor form of a carrier: scale = max block scale (power of two), data rescaled in f32."""
+    if per_tensor(x):
+        return x
+    smax = jnp.max(x.scale)
+    if get_config().rounding_mode != Pow2RoundMode.NONE:
+        smax = pow2_round_up(smax)
+    ratio = expand_scale(x.scale / smax, x.data.shape)
+    return ScaledArray((x.data.astype(F32) * ratio).astype(x.data.dtype), smax)
+
+
+def dequant(x, dtype=F32):
+    """The value of a scaled or plain operand as ``dtype`` (plain non-floats pass unchanged)."""
+    if is_scaled(x):
+        return (x.data.astype(F32) * expand_scale(x.scale, x.data.shape)).astype(dtype)
+    if not is_float(x):
+        return x
+    return jnp.asarray(x).astype(dtype)
+
+
+def safe_scale(s):
+    """Replace zero / non-finite scales by 1 (a tensor of zeros keeps scale 1)."""
+    return jnp.where(jnp.isfinite(s) & (s > 0), s, jnp.ones_like(s))
+
+
+def requant(v, dtype) -> ScaledArray:
+    """Per-tensor carrier of a float32 value ``v``: scale = amax rounded to a power of two."""
+    v = jnp.asarray(v, F32)
+    amax = jnp.max(jnp.abs(v)) if v.size else jnp.ones((), F32)
+    s = safe_scale(pow2_round(safe_scale(amax)))
+    return ScaledArray((v * (1.0 / s)).astype(dtype), s)
+
+
+def unit(v, dtype) -> ScaledArray:
+    """Carrier with scale 1 (for bounded outputs such as tanh or logistic)."""
+    return ScaledArray(jnp.asarray(v).astype(dtype), jnp.ones((), F32))
+
+
+def rescale(data, ratio, dtype=None):
+    """``data * ratio`` computed in float32 and cast back (``ratio`` is a 0-d or grid scale)."""
+    dtype = data.dtype if dtype is None else dtype
+    return (data.astype(F32) * expand_scale(ratio, data.shape)).astype(dtype)
+
+
+def _grid_shapes_compatible(xs):
+    """Common grid shape of the non-zero operands, or None if their blocks do not line up."""
+    grids = [x.scale for x in xs if x.scale is not ZERO]
+    shaped = [g for g in grids if jnp.ndim(g) > 0]
+    if not shaped:
+        return ()
+    ndim = jnp.ndim(shaped[0])
+    if any(jnp.ndim(g) != ndim for g in shaped):
+        return None
+    common = []
+    for ax in range(ndim):
+        sizes = {g.shape[ax] for g in shaped} - {1}
+        if len(sizes) > 1:
+            return None
+        common.append(sizes.pop() if sizes else 1)
+    return tuple(common)
+
+
+def combine_l2(scales):
+    s2 = sum(s * s for s in scales)
+    return pow2_round(jnp.sqrt(s2))
+
+
+def combine_max(scales):
+    out = scales[0]
+    for s in scales[1:]:
+        out = jnp.maximum(out, s)
+    return out
+
+
+def align(xs, combine=combine_max, *, dtype=None):
+    """Bring scaled and plain operands to one common scale (per block).
+
+    Returns ``(datas, scale)`` with each data in its own dtype (or ``dtype``). Blocks that do not
+    line up are first folded to per-tensor.
+    """
+    ps = [promote(x) for x in xs]
+    # Rank-0 operands (scalar literals) with a 0-d scale broadcast against any grid.
+    grid_shape = _grid_shapes_compatible(ps)
+    if grid_shape is None:
+        ps = [fold(p) if p.scale is not ZERO else p for p in ps]
+        grid_shape = ()
+    scales = [p.scale for p in ps if p.scale is not ZERO]
+    if len(scales) == 1:
+        common = scales[0]
+    else:
+        common = combine([jnp.broadcast_to(s, grid_shape) if grid_shape else s for s in scales])
+    datas = []
+    for p in ps:
+        dt = p.data.dtype if dtype is None else dtype
+        if p.scale is ZERO or (p.scale is common):
+            datas.append(p.data.astype(dt))
+        else:
+            ratio = p.scale / common
+            data = p.data
+            if jnp.ndim(ratio) > 0 and (
+                data.ndim != ratio.ndim or any(g > n for g, n in zip(ratio.shape, data.shape, strict=True))
+            ):
+                # Scalar operands and the implicit size-1 broadcasting of lax binary ops: a block
+                # grid needs the data at the output shape.
+                data = jnp.broadcast_to(data, np.broadcast_shapes(*[q.data.shape for q in ps]))
+            datas.append(rescale(data, ratio, dt))
+    return datas, common
+
+
+def expand_to(scale, shape):
+    return expand_scale(scale, shape)
+
+
+def pow2_ceil_np(x: float) -> float:
+    return pow2_round_np(x, Pow2RoundMode.UP)
+
+
+def sqrt_rescale(n: int) -> float:
+    """Power of two near ``sqrt(n)`` (rounded down): the growth allowance of an n-term sum."""
+    return pow2_round_np(math.sqrt(max(n, 1)), Pow2RoundMode.DOWN)
+
+
+# -- static layout inference for structural ops ---------------------------------------------------
+
+_MAX_LAYOUT_SIZE = 1 << 24
+
+
+def _divisors_desc(n):
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def grid_from_ids(ids: np.ndarray):
+    """Coarsest block grid on which the block-id map ``ids`` is constant: ``(grid_ids, block)``."""
+    block = []
+    for ax, n in enumerate(ids.shape):
+        moved = np.moveaxis(ids, ax, -1)
+        for d in _divisors_desc(n):
+            a = moved.reshape((*moved.shape[:-1], n // d, d))
+            if (a == a[..., :1]).all():
+                block.append(d)
+                break
+    g = ids[tuple(slice(None, None, b) for b in block)]
+    return g, tuple(block)
+
+
+def block_ids(grid_shape, shape) -> np.ndarray:
+    """Block index of every element of ``shape`` for a rank-matched ``grid_shape``."""
+    ids = np.arange(math.prod(grid_shape), dtype=np.int32).reshape(grid_shape)
+    for ax, (n, g) in enumerate(zip(shape, grid_shape, strict=True)):
+        ids = np.repeat(ids, n // g, axis=ax)
+    return ids
+
+
+def _grid_scale(x_scale, new_ids):
+    g, _ = grid_from_ids(np.asarray(new_ids))
+    if g.size == 1:
+        return x_scale.reshape(-1)[int(g.reshape(-1)[0])]
+    if np.array_equal(g.reshape(-1), np.arange(x_scale.size)):
+        return x_scale.reshape(g.shape)
+    return jnp.take(x_scale.reshape(-1), jnp.asarray(g))
+
+
+def structural(eqn, x: ScaledArray, *rest):
+    """Apply a data-movement primitive to ``x.data`` and carry the block scales along.
+
+    The new layout is found statically: the same primitive is applied to the map of block ids
+    (eagerly, at trace time) and the coarsest block grid on which the result is constant is read
+    off. This serves every layout and every static data-movement op with one code path.
+    """
+    multi = eqn.primitive.multiple_results
+    if not per_tensor(x) and x.data.size > _MAX_LAYOUT_SIZE:
+        x = fold(x)
+    datas = bind_eqn(eqn, [x.data, *rest])
+    if per_tensor(x):
+        outs = [ScaledArray(d, x.scale) for d in datas]
+    else:
+        ids = block_ids(tuple(x.scale.shape), tuple(x.data.shape))
+        with jax.ensure_compile_time_eval():
+            new_ids = bind_eqn(eqn, [jnp.asarray(ids), *rest])
+        outs = [ScaledArray(d, _grid_scale(x.scale, i)) for d, i in zip(datas, new_ids, strict=True)]
+    return outs if multi else outs[0]
+
+
+def full_resolution(x: ScaledArray) -> ScaledArray:
+    """Carrier whose scale has the data's shape (block 1 everywhere)."""
+    return ScaledArray(x.data, jnp.broadcast_to(expand_scale(x.scale, x.data.shape), x.data.shape))

@@ -1,0 +1,227 @@
+"""Scale-commuting rules: the operation acts on ``data`` and the scale (layout) is carried along.
+
+Correct because ``f(data * s) == f(data) * s`` for these ops with ``s > 0`` (sign-preserving
+elementwise ops) or because they only move elements (the block layout moves with them, see
+:func:`scalify._rules_common.structural`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from scalify._jax_compat import bind_eqn, lax_primitive, p
+from scalify._registry import register_rule
+from scalify._rules_common import (
+    F32,
+    align,
+    dequant,
+    fold,
+    full_resolution,
+    per_tensor,
+    structural,
+)
+from scalify._scaled_array import ScaledArray, expand_scale
+
+
+def _data_only(eqn, x, *rest):
+    (data,) = bind_eqn(eqn, [x.data, *rest])
+    return ScaledArray(data, x.scale)
+
+
+register_rule(
+    [p.neg_p, p.abs_p, p.copy_p, p.reduce_precision_p, p.real_p],
+    "commuting",
+    "f(data), scale kept (positive scales commute; reduce_precision rounds the data mantissa).",
+)(_data_only)
+
+
+@register_rule(p.stop_gradient_p, "commuting", "stop_gradient on data and scale.")
+def _stop_gradient(eqn, x):
+    from jax import lax
+
+    return ScaledArray(lax.stop_gradient(x.data), lax.stop_gradient(x.scale))
+
+
+register_rule(
+    [p.reshape_p, p.transpose_p, p.broadcast_in_dim_p, p.squeeze_p, p.slice_p, p.rev_p]
+    + [q for q in (lax_primitive("tile"), lax_primitive("split"), lax_primitive("unstack")) if q is not None],
+    "commuting",
+    "data moved; block scales moved with the same op (layout inferred statically, any block layout).",
+)(structural)
+
+
+@register_rule(p.sharding_constraint_p, "commuting", "constraint applied to data; scale replicated.")
+def _sharding_constraint(eqn, x):
+    if per_tensor(x):
+        return _data_only(eqn, x)
+    return structural(eqn, x)
+
+
+@register_rule(
+    p.convert_element_type_p,
+    "commuting",
+    "float->float: data cast, scale kept; float->int/bool: dequantize then cast (plain output).",
+)
+def _convert(eqn, x):
+    new = eqn.params["new_dtype"]
+    if jnp.issubdtype(new, jnp.floating):
+        return _data_only(eqn, x)
+    return bind_eqn(eqn, [dequant(x)])[0]
+
+
+@register_rule(p.sign_p, "commuting", "sign(data) (scales are positive); plain output.")
+def _sign(eqn, x):
+    return jnp.sign(x.data)
+
+
+@register_rule(p.is_finite_p, "commuting", "is_finite(data) & is_finite(scale); plain bool output.")
+def _is_finite(eqn, x):
+    return jnp.isfinite(x.data) & jnp.isfinite(expand_scale(x.scale, x.data.shape))
+
+
+def _gather_like(eqn, x, *rest):
+    """Data-dependent data movement: per-tensor scale kept, block scales gathered alongside."""
+    if not isinstance(x, ScaledArray):
+        raise TypeError(f"{eqn.primitive.name}: scaled indices are not supported; pass plain integer indices.")
+    if per_tensor(x):
+        return _data_only(eqn, x, *rest)
+    full = full_resolution(x)
+    (data,) = bind_eqn(eqn, [x.data, *rest])
+    (scale,) = bind_eqn(eqn, [full.scale, *rest])
+    return ScaledArray(data, scale)
+
+
+register_rule(
+    [p.gather_p, p.dynamic_slice_p],
+    "commuting",
+    "per-tensor: data gathered, scale kept; block scales: gathered with the data at full resolution.",
+)(_gather_like)
+
+
+@register_rule(
+    [p.dynamic_update_slice_p],
+    "additive",
+    "operand and update brought to a common scale (max), then data updated.",
+)
+def _dynamic_update_slice(eqn, operand, update, *idx):
+    if isinstance(operand, ScaledArray) and not per_tensor(operand):
+        operand = fold(operand)
+    if isinstance(update, ScaledArray) and not per_tensor(update):
+        update = fold(update)
+    (d_op, d_up), s = align([operand, update])
+    return ScaledArray(bind_eqn(eqn, [d_op, d_up, *idx])[0], s)
+
+
+@register_rule([p.pad_p], "commuting", "data padded with padding_value / scale (folded to per-tensor first).")
+def _pad(eqn, x, pad_value):
+    if not isinstance(x, ScaledArray):
+        return bind_eqn(eqn, [x, dequant(pad_value, jnp.result_type(x))])[0]
+    x = fold(x)
+    pv = (dequant(pad_value) / x.scale).astype(x.data.dtype)
+    return ScaledArray(bind_eqn(eqn, [x.data, pv])[0], x.scale)
+
+
+def _argrule(eqn, x):
+    if per_tensor(x):
+        return bind_eqn(eqn, [x.data])[0]
+    # argmax's params carry the operand's index dtype only; computing on float32 values is fine.
+    return bind_eqn(eqn, [dequant(x).astype(x.data.dtype)])[0]
+
+
+register_rule(
+    [p.argmax_p, p.argmin_p], "commuting", "per-tensor: on data; blocks: on the dequantized value. Plain output."
+)(_argrule)
+
+
+def _cmp(eqn, *xs):
+    datas, _ = align(list(xs), dtype=F32)
+    return bind_eqn(eqn, datas)[0]
+
+
+register_rule(
+    [p.eq_p, p.ne_p, p.lt_p, p.le_p, p.gt_p, p.ge_p],
+    "commuting",
+    "operands brought to a common scale (max) in float32, then compared. Plain bool output.",
+)(_cmp)
+
+
+def _maxmin(eqn, *xs):
+    datas, s = align(list(xs))
+    return ScaledArray(bind_eqn(eqn, datas)[0], s)
+
+
+register_rule(
+    [p.max_p, p.min_p],
+    "commuting",
+    "operands brought to a common scale (max of scales; equal scales: data untouched), then max/min of data.",
+)(_maxmin)
+
+
+@register_rule(p.clamp_p, "commuting", "bounds and operand brought to a common scale (max), clamp on data.")
+def _clamp(eqn, lo, x, hi):
+    (dlo, dx, dhi), s = align([lo, x, hi])
+    return ScaledArray(bind_eqn(eqn, [dlo, dx, dhi])[0], s)
+
+
+@register_rule(p.select_n_p, "commuting", "cases brought to a common scale (max), predicate plain.")
+def _select_n(eqn, pred, *cases):
+    if isinstance(pred, ScaledArray):
+        pred = dequant(pred)
+    datas, s = align(list(cases))
+    return ScaledArray(bind_eqn(eqn, [pred, *datas])[0], s)
+
+
+@register_rule(
+    [p.reduce_max_p, p.reduce_min_p, p.cummax_p, p.cummin_p, p.reduce_window_max_p, p.reduce_window_min_p],
+    "commuting",
+    "on data; block scales kept when blocks span the reduced axes, else folded to per-tensor first.",
+)
+def _reduce_max(eqn, x):
+    axes = eqn.params.get("axes")
+    if axes is None:
+        axes = (eqn.params["axis"],) if "axis" in eqn.params else None
+    if per_tensor(x):
+        return _data_only(eqn, x)
+    if axes is not None and all(x.scale.shape[a] == 1 for a in axes):
+        (data,) = bind_eqn(eqn, [x.data])
+        scale = x.scale
+        if eqn.primitive in (p.reduce_max_p, p.reduce_min_p):
+            scale = jnp.squeeze(scale, axis=tuple(axes))
+        return ScaledArray(data, scale)
+    return _data_only(eqn, fold(x))
+
+
+@register_rule(
+    [p.select_and_scatter_add_p],
+    "commuting",
+    "max-pool backward: cotangent data scattered (scale kept); selection on operand data.",
+)
+def _select_and_scatter_add(eqn, source, operand):
+    if isinstance(operand, ScaledArray):
+        operand = fold(operand).data if not per_tensor(operand) else operand.data
+    if not isinstance(source, ScaledArray):
+        return bind_eqn(eqn, [source, operand])[0]
+    source = fold(source)
+    return ScaledArray(bind_eqn(eqn, [source.data, operand])[0], source.scale)
+
+
+@register_rule(
+    [p.select_and_gather_add_p], "commuting", "max-pool JVP: tangent gathered (scale kept); selection on operand data."
+)
+def _select_and_gather_add(eqn, tangent, operand):
+    if isinstance(operand, ScaledArray):
+        operand = fold(operand).data if not per_tensor(operand) else operand.data
+    if not isinstance(tangent, ScaledArray):
+        return bind_eqn(eqn, [tangent, operand])[0]
+    tangent = fold(tangent)
+    return ScaledArray(bind_eqn(eqn, [tangent.data, operand])[0], tangent.scale)
+
+
+_barrier = lax_primitive("optimization_barrier")
+if _barrier is not None:
+
+    @register_rule(_barrier, "commuting", "barrier over the data and scale leaves of every operand.")
+    def _optimization_barrier(eqn, *xs):
+        flat, tree = jax.tree.flatten(list(xs))
+        return jax.tree.unflatten(tree, list(_barrier.bind(*flat)))

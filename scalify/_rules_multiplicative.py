@@ -1,0 +1,152 @@
+"""Multiplicative rules: scales multiply (mul, div, dot_general, conv_general_dilated).
+
+Contractions:
+
+* no operand has a block boundary along a contracted axis (per-tensor, per-channel on a free axis):
+  the scales factor out of the sum, ``out = dot(dA, dB) / r`` with scale ``grid(sA) x grid(sB) * r``
+  where ``r`` is a power of two near ``sqrt(K)`` (jax-scalify's growth allowance);
+* both operands blocked along one contracted axis with the same number of blocks (the MX layout:
+  activations blocked on their last axis, weights blocked on their first): per-block products
+  ``sum_j sA_j * sB_j * dot(P_A_j, P_B_j)`` accumulated in float32, no dequantization, output a
+  per-tensor carrier (``ScalifyConfig.dot_output_format`` re-quantizes it);
+* any other layout (a scale varying along the contracted axis of only one operand, mismatched
+  blocks): both operands are dequantized to float32, contracted, and re-quantized per-tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from scalify._config import get_config
+from scalify._jax_compat import bind_eqn, p
+from scalify._registry import register_rule
+from scalify._rules_common import (
+    F32,
+    _grid_shapes_compatible,
+    dequant,
+    fold,
+    per_tensor,
+    promote,
+    requant,
+    sqrt_rescale,
+)
+from scalify._scaled_array import ScaledArray, expand_scale
+
+
+def _binary(eqn, a, b, op_scale):
+    pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
+    if _grid_shapes_compatible([pa, pb]) is None:
+        pa, pb = fold(pa), fold(pb)
+    (data,) = bind_eqn(eqn, [pa.data, pb.data])
+    return ScaledArray(data, op_scale(pa.scale, pb.scale))
+
+
+register_rule(
+    p.mul_p,
+    "multiplicative",
+    "data * data, scale * scale (block grids broadcast; static scalars split exactly into 2^k).",
+)(lambda eqn, a, b: _binary(eqn, a, b, lambda x, y: x * y))
+
+register_rule(
+    p.div_p,
+    "multiplicative",
+    "data / data, scale / scale (block grids broadcast).",
+)(lambda eqn, a, b: _binary(eqn, a, b, lambda x, y: x / y))
+
+
+def _grid(x: ScaledArray):
+    s = x.scale
+    return s.reshape((1,) * x.data.ndim) if s.ndim == 0 else s
+
+
+def _finish(value_f32, dtype):
+    return _output_format(requant(value_f32, dtype), dtype)
+
+
+def _output_format(out, dtype):
+    fmt = get_config().dot_output_format
+    if fmt is not None:
+        data, scale = fmt.quantize(out.to_array(F32))
+        return ScaledArray(data, scale, fmt=fmt, dtype=dtype)
+    return out
+
+
+def _dequant_dot(eqn, a, b):
+    params = dict(eqn.params, preferred_element_type=F32)
+    out = lax.dot_general_p.bind(dequant(a), dequant(b), **params)
+    return _finish(out, eqn.outvars[0].aval.dtype)
+
+
+def _split_axis(x, axis, g):
+    shape = list(x.shape)
+    return x.reshape((*shape[:axis], g, shape[axis] // g, *shape[axis + 1 :]))
+
+
+@register_rule(
+    p.dot_general_p,
+    "multiplicative",
+    "unblocked contraction: dot(data)/2^k, scales multiplied (grid outer product) * 2^k; both blocked "
+    "along the contracted axis: per-block products in float32 -> per-tensor carrier; other layouts: "
+    "dequantize, float32 dot, per-tensor carrier.",
+)
+def _dot_general(eqn, a, b):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    a, b = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
+    out_dtype = eqn.outvars[0].aval.dtype
+    k = math.prod(a.data.shape[i] for i in lc)
+    r = sqrt_rescale(k)
+    if per_tensor(a) and per_tensor(b):
+        (data,) = bind_eqn(eqn, [a.data, b.data])
+        if r != 1.0:
+            data = data * jnp.asarray(1.0 / r, data.dtype)
+        return _output_format(ScaledArray(data, a.scale * b.scale * r), out_dtype)
+    ga, gb = _grid(a), _grid(b)
+    # Batch grids must agree (or broadcast from 1).
+    bshape_a, bshape_b = list(ga.shape), list(gb.shape)
+    for i, j in zip(lb, rb, strict=True):
+        m, n = ga.shape[i], gb.shape[j]
+        if m != n and 1 not in (m, n):
+            return _dequant_dot(eqn, a, b)
+        bshape_a[i] = bshape_b[j] = max(m, n)
+    ga, gb = jnp.broadcast_to(ga, bshape_a), jnp.broadcast_to(gb, bshape_b)
+    blocked = [(i, j) for i, j in zip(lc, rc, strict=True) if ga.shape[i] != 1 or gb.shape[j] != 1]
+    grid_params = dict(eqn.params, preferred_element_type=F32)
+    if not blocked:
+        (data,) = bind_eqn(eqn, [a.data, b.data])
+        if r != 1.0:
+            data = data * jnp.asarray(1.0 / r, data.dtype)
+        scale = lax.dot_general_p.bind(ga, gb, **grid_params) * r
+        return _output_format(ScaledArray(data, scale), out_dtype)
+    if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
+        return _dequant_dot(eqn, a, b)
+    (i, j), g = blocked[0], ga.shape[blocked[0][0]]
+    da, db = _split_axis(a.data, i, g), _split_axis(b.data, j, g)
+    sa, sb = _split_axis(ga, i, g), _split_axis(gb, j, g)
+    # Contracting indices: original positions shifted past the new block-count axis.
+    dims = (
+        (tuple(c + 1 if c >= i else c for c in lc), tuple(c + 1 if c >= j else c for c in rc)),
+        ((i, *(d + 1 if d >= i else d for d in lb)), (j, *(d + 1 if d >= j else d for d in rb))),
+    )
+    partial = lax.dot_general(da, db, dims, preferred_element_type=F32)  # (g, batch..., free...)
+    sgrid = lax.dot_general(sa, sb, dims, preferred_element_type=F32)
+    value = jnp.sum(partial * expand_scale(sgrid, partial.shape), axis=0)
+    return _finish(value, out_dtype)
+
+
+@register_rule(
+    p.conv_general_dilated_p,
+    "multiplicative",
+    "operands folded to per-tensor; conv(data)/2^k with 2^k ~ sqrt(kernel fan-in); scale product * 2^k.",
+)
+def _conv(eqn, lhs, rhs):
+    lhs, rhs = fold(promote(lhs, zero_adopts=False)), fold(promote(rhs, zero_adopts=False))
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+    fan_in = math.prod(rhs.data.shape) // rhs.data.shape[rhs_spec[0]]
+    r = sqrt_rescale(fan_in)
+    (data,) = bind_eqn(eqn, [lhs.data, rhs.data])
+    if r != 1.0:
+        data = data * jnp.asarray(1.0 / r, data.dtype)
+    return ScaledArray(data, lhs.scale * rhs.scale * r)

@@ -1,0 +1,140 @@
+"""Nonlinear rules: the simplest exact rule that keeps values in range, else dequantize-compute-requantize.
+
+* bounded outputs (tanh, logistic, erf, sin, ...): computed on the float32 value, output scale 1;
+* log: ``log(data) + log(scale)``; roots and integer powers act on data and scale separately;
+* everything else (exp, pow, erf_inv, ...): the value is computed in float32 and re-quantized to a
+  per-tensor carrier whose scale is the output's absolute max rounded to a power of two, so the
+  result can never overflow the carrier dtype.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from scalify._config import pow2_round
+from scalify._jax_compat import bind_eqn, p
+from scalify._registry import register_rule
+from scalify._rules_common import F32, dequant, requant, safe_scale, unit
+from scalify._scaled_array import ScaledArray, expand_scale
+
+
+def _prims(*names):
+    return [getattr(p, n) for n in names if hasattr(p, n)]
+
+
+def _out_dtype(eqn):
+    return eqn.outvars[0].aval.dtype
+
+
+def _f32_eval(eqn, *xs):
+    outs = bind_eqn(eqn, [dequant(x) for x in xs])
+    return outs[0]
+
+
+@register_rule(
+    _prims(
+        "tanh_p",
+        "logistic_p",
+        "erf_p",
+        "erfc_p",
+        "sin_p",
+        "cos_p",
+        "atan_p",
+        "asin_p",
+        "acos_p",
+        "bessel_i0e_p",
+        "bessel_i1e_p",
+    ),
+    "nonlinear",
+    "bounded output: f(value) in float32, output carrier with scale 1.",
+)
+def _bounded(eqn, *xs):
+    return unit(_f32_eval(eqn, *xs), _out_dtype(eqn))
+
+
+@register_rule(p.log_p, "nonlinear", "log(data) + log(scale) in float32; output carrier with scale 1.")
+def _log(eqn, x):
+    val = jnp.log(x.data.astype(F32)) + expand_scale(jnp.log(x.scale), x.data.shape)
+    return unit(val, _out_dtype(eqn))
+
+
+@register_rule(p.log1p_p, "nonlinear", "log1p(value) in float32; output carrier with scale 1.")
+def _log1p(eqn, x):
+    return unit(_f32_eval(eqn, x), _out_dtype(eqn))
+
+
+def _root(eqn, x, fn):
+    s_exact = fn(x.scale)
+    s_new = safe_scale(pow2_round(s_exact))
+    (data,) = bind_eqn(eqn, [x.data])
+    corr = s_exact / s_new
+    return ScaledArray((data.astype(F32) * expand_scale(corr, data.shape)).astype(data.dtype), s_new)
+
+
+register_rule(p.sqrt_p, "nonlinear", "sqrt(data), scale sqrt(scale) rounded to 2^k (remainder folded into data).")(
+    lambda eqn, x: _root(eqn, x, jnp.sqrt)
+)
+register_rule(p.rsqrt_p, "nonlinear", "rsqrt(data), scale rsqrt(scale) rounded to 2^k (remainder folded into data).")(
+    lambda eqn, x: _root(eqn, x, lambda s: 1.0 / jnp.sqrt(s))
+)
+register_rule(p.cbrt_p, "nonlinear", "cbrt(data), scale cbrt(scale) rounded to 2^k (remainder folded into data).")(
+    lambda eqn, x: _root(eqn, x, jnp.cbrt)
+)
+
+
+@register_rule(p.integer_pow_p, "nonlinear", "data**n, scale**n (exact for power-of-two scales).")
+def _integer_pow(eqn, x):
+    y = eqn.params["y"]
+    (data,) = bind_eqn(eqn, [x.data])
+    return ScaledArray(data, x.scale**y)
+
+
+@register_rule(p.square_p, "nonlinear", "data**2, scale**2.")
+def _square(eqn, x):
+    (data,) = bind_eqn(eqn, [x.data])
+    return ScaledArray(data, x.scale * x.scale)
+
+
+_GENERIC = _prims(
+    "exp_p",
+    "exp2_p",
+    "expm1_p",
+    "pow_p",
+    "erf_inv_p",
+    "sinh_p",
+    "cosh_p",
+    "tan_p",
+    "asinh_p",
+    "acosh_p",
+    "atanh_p",
+    "atan2_p",
+    "lgamma_p",
+    "digamma_p",
+    "floor_p",
+    "ceil_p",
+    "round_p",
+    "rem_p",
+    "nextafter_p",
+    "cumprod_p",
+    "cumlogsumexp_p",
+    "reduce_prod_p",
+    "reduce_window_p",
+    "igamma_p",
+    "igammac_p",
+    "polygamma_p",
+    "zeta_p",
+    "regularized_incomplete_beta_p",
+    "random_gamma_grad_p",
+)
+
+
+@register_rule(
+    _GENERIC,
+    "nonlinear",
+    "dequantize, compute in float32, re-quantize: per-tensor carrier, scale = amax rounded to 2^k.",
+)
+def _generic(eqn, *xs):
+    out = _f32_eval(eqn, *xs)
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return out
+    return requant(out, _out_dtype(eqn))

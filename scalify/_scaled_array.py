@@ -1,0 +1,219 @@
+"""ScaledArray: an array stored as ``data`` times a (block) ``scale``.
+
+Two forms share one class:
+
+* **formatted** (``fmt`` set): ``data`` and ``scale`` are what ``fmt.quantize`` returns (fp8 bytes,
+  packed fp4 codes, E8M0 scales, ...); ``value = fmt.dequantize(data, scale)``.
+* **carrier** (``fmt is None``): ``data`` is in the logical dtype (float16, bfloat16, float32, ...)
+  and ``scale`` is a float32 array that is either 0-d (one scale for the tensor) or has the rank of
+  ``data`` with each axis dividing the data's: element ``i`` uses ``scale[i // block]`` with
+  ``block = data.shape // scale.shape``. Every rule of the interpreter works on this form.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qformats as qf
+
+
+@jax.tree_util.register_pytree_node_class
+class ScaledArray:
+    """An array represented as ``data * scale``, with an optional quantization format.
+
+    Children: ``data``, ``scale``. Static metadata: ``fmt`` (a :class:`qformats.ScaledFormat` or
+    ``None`` for the carrier form) and, for formatted arrays, the logical ``dtype``.
+    """
+
+    __slots__ = ("_dtype", "data", "fmt", "scale")
+    # Make numpy defer to us in mixed operations.
+    __array_priority__ = 100
+
+    def __init__(self, data, scale, fmt=None, dtype=None):
+        self.data = data
+        self.scale = scale
+        self.fmt = fmt
+        self._dtype = None if dtype is None else np.dtype(dtype)
+
+    # -- pytree -----------------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self.data, self.scale), (self.fmt, self._dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.data, obj.scale = children
+        obj.fmt, obj._dtype = aux
+        return obj
+
+    # -- array-like -------------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        if self._dtype is not None:
+            return self._dtype
+        return np.dtype(self.data.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = tuple(np.shape(self.data))
+        return tuple(self.fmt.value_shape(shape)) if self.fmt is not None else shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def aval(self):
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def to_array(self, dtype=None):
+        """The value ``data * scale`` as a plain array (computed in float32, cast to ``dtype``)."""
+        dtype = self.dtype if dtype is None else dtype
+        if self.fmt is not None:
+            return self.fmt.dequantize(self.data, self.scale, dtype=jnp.float32).astype(dtype)
+        data = jnp.asarray(self.data)
+        return (data.astype(jnp.float32) * expand_scale(self.scale, data.shape)).astype(dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.to_array(), dtype=dtype)
+
+    def __repr__(self):
+        if self.fmt is None:
+            return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+        return f"ScaledArray(data={self.data!r}, scale={self.scale!r}, fmt={self.fmt.name})"
+
+    # Arithmetic outside scalify is deliberately not provided: wrap the computation in
+    # `scalify.scalify` or call `to_array()`.
+
+
+def is_scaled_leaf(x) -> bool:
+    """``is_leaf`` predicate for ``jax.tree`` functions that stop at ScaledArrays."""
+    return isinstance(x, ScaledArray)
+
+
+def expand_scale(scale, shape):
+    """Broadcast a 0-d or rank-matched block-grid ``scale`` to ``shape`` (float32)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    shape = tuple(shape)
+    if scale.ndim == 0 or tuple(scale.shape) == shape:
+        return scale
+    scale = normalize_scale(scale, shape)
+    return qf.expand(scale, shape, block_of(scale.shape, shape))
+
+
+def normalize_scale(scale, shape):
+    """A carrier scale as 0-d or rank-matched (a lower-rank scale is taken as leading axes)."""
+    if scale.ndim == 0:
+        return scale
+    if math.prod(scale.shape) == 1:
+        return scale.reshape(())
+    if scale.ndim < len(shape):
+        scale = scale.reshape(tuple(scale.shape) + (1,) * (len(shape) - scale.ndim))
+    if scale.ndim != len(shape) or any(n % g for n, g in zip(shape, scale.shape, strict=True)):
+        raise ValueError(f"A scale of shape {tuple(scale.shape)} is not a block grid of data shape {tuple(shape)}.")
+    return scale
+
+
+def block_of(scale_shape, shape) -> tuple[int, ...]:
+    """Block extents of a carrier scale grid over ``shape``."""
+    if len(scale_shape) == 0:
+        return tuple(shape)
+    return tuple(n // g for n, g in zip(shape, scale_shape, strict=True))
+
+
+def to_carrier(x: ScaledArray) -> ScaledArray:
+    """The carrier form of ``x``: decoded elements in the logical dtype, float32 scale grid.
+
+    Talks to the format protocol only (``decode`` and ``scale_values``), so it serves every format.
+    """
+    if x.fmt is None:
+        data = jnp.asarray(x.data)
+        scale = normalize_scale(jnp.asarray(x.scale, jnp.float32), data.shape)
+        if scale is x.scale and data is x.data:
+            return x
+        return ScaledArray(data, scale)
+    fmt = x.fmt
+    elems = fmt.decode(x.data)
+    shape = tuple(elems.shape)
+    grid = fmt.scale_values(x.scale).astype(jnp.float32).reshape(fmt.scale_shape(shape))
+    # Elements go up to the element max (448 for e4m3, 127 for int8): move a static power of two
+    # into the scale so the carrier data is O(1) and products cannot overflow a float16 carrier.
+    k = _pow2_floor(fmt.max_value)
+    if k != 1.0:
+        elems = elems * np.float32(1.0 / k)
+        grid = grid * np.float32(k)
+    return ScaledArray(elems.astype(x.dtype), normalize_scale(grid, shape))
+
+
+def _pow2_floor(v: float) -> float:
+    v = float(v)
+    if not np.isfinite(v) or v <= 0:
+        return 1.0
+    return float(2.0 ** np.floor(np.log2(v)))
+
+
+def _as_scaled_leaf(x, scale, fmt):
+    if fmt is not None:
+        if isinstance(fmt, str):
+            fmt = qf.get_format(fmt)
+        if isinstance(x, ScaledArray):
+            x = x.to_array()
+        x = jnp.asarray(x)
+        fmt.check_input(x)
+        data, sc = fmt.quantize(x)
+        return ScaledArray(data, sc, fmt=fmt, dtype=x.dtype)
+    if isinstance(x, ScaledArray):
+        return x
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if scale is None:
+        return ScaledArray(x, jnp.ones((), jnp.float32))
+    scale = jnp.asarray(scale, jnp.float32)
+    scale = normalize_scale(scale, x.shape)
+    data = (x.astype(jnp.float32) / expand_scale(scale, x.shape)).astype(x.dtype)
+    return ScaledArray(data, scale)
+
+
+def as_scaled_array(x, scale=None, fmt=None):
+    """Make ScaledArrays from an array or a pytree of arrays.
+
+    * ``scale`` given: the value is kept and ``data = x / scale`` in ``x``'s dtype (carrier form).
+      ``scale`` may be a scalar or a block grid (rank-matched, each axis dividing ``x``'s).
+    * ``fmt`` given (a :class:`qformats.ScaledFormat` or a registered name): quantize with it.
+    * neither: ``scale = 1``.
+
+    Non-floating leaves (integer labels, booleans) are left as they are.
+    """
+    if scale is not None and fmt is not None:
+        raise ValueError("Pass either `scale` (carrier form) or `fmt` (quantize), not both.")
+    return jax.tree.map(lambda leaf: _as_scaled_leaf(leaf, scale, fmt), x, is_leaf=is_scaled_leaf)
+
+
+def asarray(x, dtype=None):
+    """Plain value of a ScaledArray (or a pytree of them); other leaves pass through."""
+
+    def leaf(v):
+        if isinstance(v, ScaledArray):
+            return v.to_array(dtype)
+        return v if dtype is None else jnp.asarray(v, dtype)
+
+    return jax.tree.map(leaf, x, is_leaf=is_scaled_leaf)
+
+
+def dequantize(x, dtype=jnp.float32):
+    """Float value of a ScaledArray or plain array, as ``dtype``."""
+    if isinstance(x, ScaledArray):
+        return x.to_array(dtype)
+    return jnp.asarray(x, dtype)

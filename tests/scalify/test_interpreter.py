@@ -1,0 +1,242 @@
+"""The interpreter: composition with jit / grad / vmap, sub-jaxprs, errors, configuration."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import FORMATS, check_against_dequantized, make_scaled
+
+import qformats as qf
+import scalify as jsa
+
+RNG = np.random.default_rng(2)
+X = jnp.asarray(RNG.standard_normal((4, 32)), jnp.float32)
+
+
+def test_plain_inputs_behave_like_fn():
+    f = lambda a, b: jnp.tanh(a) * b
+    np.testing.assert_array_equal(jsa.scalify(f)(X, X), f(X, X))
+
+
+def test_kwargs_pytrees_and_python_scalars():
+    sx = jsa.as_scaled_array({"a": X, "b": [X * 2]}, scale=np.float32(2.0))
+
+    def f(tree, c, *, d):
+        return {"out": tree["a"] * c + tree["b"][0] * d}
+
+    out = jsa.scalify(f)(sx, 3.0, d=0.5)
+    assert isinstance(out["out"], jsa.ScaledArray)
+    np.testing.assert_allclose(np.asarray(out["out"]), np.asarray(X * 3.0 + X), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])
+def test_nested_jit_cond_while_scan_remat(fmt_name):
+    sx = make_scaled(X, FORMATS[fmt_name])
+
+    @jax.jit
+    def inner(v):
+        return jnp.tanh(v) * 2.0 + v
+
+    def f(v):
+        v = inner(v)
+        v = jax.lax.cond(jnp.sum(v) > 0, lambda a: a * 2.0, lambda a: -a, v)
+        v = jax.lax.fori_loop(0, 3, lambda i, c: c * 0.5 + 1.0, v)
+        v, ys = jax.lax.scan(lambda c, row: (c + row, c * row), v[0], v)
+        v = jax.checkpoint(lambda t: jnp.sin(t) * t)(v)
+        return v, ys
+
+    check_against_dequantized(f, sx, rtol=1e-5)
+    check_against_dequantized(jax.jit(f), sx, rtol=1e-5)
+
+
+def test_nested_jit_kept_in_program():
+    sx = make_scaled(X, None)
+    inner = jax.jit(lambda v: v * 2.0)
+    jaxpr = jax.make_jaxpr(jsa.scalify(lambda v: inner(v) + 1.0))(sx)
+    assert any(e.primitive.name in ("jit", "pjit") for e in jaxpr.jaxpr.eqns)
+
+
+def test_jit_outside_and_inside():
+    sx = make_scaled(X, None)
+    f = lambda v: jax.nn.softmax(v) * v
+    a = jax.jit(jsa.scalify(f))(sx)
+    b = jsa.scalify(jax.jit(f))(sx)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), f(np.asarray(sx)), rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_both_orders():
+    sx = make_scaled(X, None)
+    f = lambda v: jnp.sum(jnp.exp(v) * v)
+    ref = jax.vmap(f)(np.asarray(sx))
+    np.testing.assert_allclose(np.asarray(jsa.scalify(jax.vmap(f))(sx)), ref, rtol=1e-5)
+    # Per-tensor scale shared by the batch: map the data only.
+    out = jax.vmap(jsa.scalify(f), in_axes=(jsa.ScaledArray(0, None),))(sx)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5)
+
+
+def test_custom_jvp_and_vjp_rules_kept_with_plain_operands():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 42.0 * t[0]))
+
+    @jax.custom_vjp
+    def g(x):
+        return x * 1.0
+
+    g.defvjp(lambda x: (x, None), lambda _, ct: (ct * 7.0,))
+
+    sx = make_scaled(X, None)
+    grads = jsa.scalify(jax.grad(lambda v: jnp.sum(f(v) + g(v))))(sx)
+    np.testing.assert_allclose(np.asarray(grads), np.full((4, 32), 49.0), rtol=1e-6)
+    # Under scalify with scaled operands: the primal bodies are interpreted.
+    out = jsa.scalify(lambda v: f(v) + g(v))(sx)
+    np.testing.assert_allclose(np.asarray(out), np.sin(np.asarray(sx)) + np.asarray(sx), rtol=1e-5, atol=1e-6)
+
+
+def test_logsumexp_jit_finite_and_correct():
+    x = jnp.asarray([1000.0, 1001.0, -5.0], jnp.float32)
+    sx = jsa.as_scaled_array(x, scale=np.float32(512.0))
+    out = jax.jit(jsa.scalify(jax.nn.logsumexp))(sx)
+    np.testing.assert_allclose(float(np.asarray(out)), float(jax.nn.logsumexp(x)), rtol=1e-6)
+    out = jsa.scalify(jax.nn.log_softmax)(sx)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(np.asarray(out), jax.nn.log_softmax(x), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_primitive_error_message():
+    sx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
+    with pytest.raises(jsa.ScalifyUnsupportedError) as info:
+        jsa.scalify(lambda v: jnp.linalg.qr(v)[0])(sx)
+    msg = str(info.value)
+    assert "primitive `" in msg and "mxfp8" in msg and "scalify.ops.dequantize" in msg
+
+
+def test_explicit_dequantize_is_the_way_forward():
+    sx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
+    q = jsa.scalify(lambda v: jnp.linalg.qr(jsa.ops.dequantize(v).T)[0])(sx)
+    np.testing.assert_allclose(np.asarray(q), np.linalg.qr(np.asarray(sx).T)[0], atol=1e-4)
+
+
+def test_rounding_modes():
+    a = jsa.as_scaled_array(jnp.ones(4, jnp.float32), scale=np.float32(3.0))
+    b = jsa.as_scaled_array(jnp.ones(4, jnp.float32), scale=np.float32(3.0))
+    add = jsa.scalify(jnp.add)
+    expected = {jsa.Pow2RoundMode.DOWN: 4.0, jsa.Pow2RoundMode.UP: 8.0, jsa.Pow2RoundMode.NONE: np.sqrt(18.0)}
+    for mode, scale in expected.items():
+        with jsa.ScalifyConfig(rounding_mode=mode):
+            out = add(a, b)
+        np.testing.assert_allclose(float(out.scale), scale, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(out), 2.0, rtol=1e-6)
+    with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.STOCHASTIC):
+        out = add(a, b)
+    assert float(out.scale) in (4.0, 8.0)
+    np.testing.assert_allclose(np.asarray(out), 2.0, rtol=1e-6)
+
+
+def test_keep_format_and_dot_output_format():
+    sx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
+    with jsa.ScalifyConfig(keep_format=True):
+        out = jsa.scalify(lambda v: -v)(sx)
+    assert out.fmt == qf.MXFP8
+    np.testing.assert_allclose(np.asarray(out), -np.asarray(sx))
+    out = jsa.scalify(lambda v: -v)(sx)
+    assert out.fmt is None and out.data.dtype == np.float32
+    w = jsa.as_scaled_array(jnp.asarray(RNG.standard_normal((32, 8)), jnp.float32), fmt=qf.MXFP8.replace(axis=0))
+    with jsa.ScalifyConfig(dot_output_format=qf.FP8_E4M3):
+        out = jsa.scalify(jnp.matmul)(sx, w)
+    assert out.fmt == qf.FP8_E4M3
+
+
+def test_quantize_inside_program_changes_format():
+    def f(v):
+        q = jsa.ops.quantize(v * 2.0, qf.MXFP8)
+        return q, jsa.ops.quantize(q, "nvfp4")
+
+    q, n = jsa.scalify(f)(make_scaled(X, None))
+    assert q.fmt == qf.MXFP8 and n.fmt == qf.NVFP4
+    ref = qf.MXFP8.dequantize(*qf.MXFP8.quantize(X * 2.0))
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(ref))
+    # Plain input, inside a nested jit: still a ScaledArray.
+    q2 = jsa.scalify(jax.jit(lambda v: jsa.ops.quantize(v, qf.MXFP8)))(X)
+    assert isinstance(q2, jsa.ScaledArray) and q2.fmt == qf.MXFP8
+
+
+def test_dynamic_rescale_ops():
+    sx = jsa.as_scaled_array(X * 100.0, scale=np.float32(1.0))
+    for name in ("max", "l1", "l2"):
+        op = getattr(jsa.ops, f"dynamic_rescale_{name}")
+        out = jsa.scalify(op)(sx)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(sx), rtol=1e-6)
+        assert float(out.scale) > 1.0
+        assert op(X) is X
+    # _grad twins: identity forward, rescale backward.
+    sg = jsa.as_scaled_array(X * 100.0, scale=np.float32(1.0))
+    loss = lambda v: jnp.sum(jsa.ops.dynamic_rescale_max_grad(v) * jax.lax.stop_gradient(v))
+    g = jsa.scalify(jax.grad(loss))(sg)
+    assert isinstance(g, jsa.ScaledArray)  # the cotangent (= v) is scaled, then rescaled
+    np.testing.assert_allclose(np.asarray(g), np.asarray(sg), rtol=1e-6)
+    assert float(g.scale) > 64.0 and 1.0 <= float(np.max(np.abs(g.data))) < 2.0
+
+
+def test_dynamic_rescale_per_block():
+    sx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
+    out = jsa.scalify(jsa.ops.dynamic_rescale_max)(sx)
+    assert out.scale.shape == (4, 1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(sx), rtol=1e-6)
+
+
+def test_cast_ml_dtype_and_grad():
+    sx = jsa.as_scaled_array(jnp.asarray([17.0, 19.0, 1000.0]), scale=np.float32(1.0))
+    out = jsa.scalify(lambda v: jsa.ops.cast_ml_dtype(v, ml_dtypes.float8_e4m3fn))(sx)
+    np.testing.assert_array_equal(np.asarray(out.data), [16.0, 20.0, 448.0])
+    g = jax.grad(lambda v: jnp.sum(jsa.ops.cast_ml_dtype_grad(v, ml_dtypes.float8_e4m3fn) * 17.0))(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(g), [16.0, 16.0, 16.0])
+
+
+def test_debug_scale_stats(capsys):
+    jsa.ops.scale_stats_log.clear()
+    sx = jsa.as_scaled_array(X, scale=np.float32(4.0))
+    out = jax.jit(jsa.scalify(lambda v: jsa.ops.debug_scale_stats(v * 2.0, "act")))(sx)
+    jax.effects_barrier()
+    assert isinstance(out, jsa.ScaledArray)
+    (entry,) = jsa.ops.scale_stats_log
+    assert entry["name"] == "act" and entry["scale_min"] == entry["scale_max"] == 8.0
+    assert "[scalify] act" in capsys.readouterr().out
+
+
+def test_scaled_array_api():
+    sa = jsa.as_scaled_array(jnp.arange(64, dtype=jnp.float32).reshape(2, 32), fmt=qf.NVFP4)
+    assert sa.shape == (2, 32) and sa.dtype == np.float32 and sa.ndim == 2 and sa.size == 64
+    assert sa.data.shape == (2, 16)
+    assert np.asarray(sa).shape == (2, 32)
+    assert "ScaledArray(data=" in repr(sa) and "scale=" in repr(sa)
+    leaves = jax.tree.leaves(sa)
+    assert len(leaves) == 3  # data, block scale, tensor scale
+    by_name = jsa.as_scaled_array(X, fmt="mxfp8")
+    assert by_name.fmt == qf.MXFP8
+    with pytest.raises(ValueError, match="not both"):
+        jsa.as_scaled_array(X, scale=1.0, fmt=qf.MXFP8)
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "nvfp4"])
+def test_while_loop_with_scaled_carry(fmt_name):
+    sx = make_scaled(X, FORMATS[fmt_name])
+
+    def f(v):
+        def cond(c):
+            i, a = c
+            return (i < 4) & (jnp.max(jnp.abs(a)) < 1e6)
+
+        def body(c):
+            i, a = c
+            return i + 1, a * 3.0 + 1.0
+
+        return jax.lax.while_loop(cond, body, (0, v))[1]
+
+    check_against_dequantized(f, sx, rtol=1e-5)

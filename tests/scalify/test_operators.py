@@ -1,0 +1,226 @@
+"""Every rule, for every format: scalify(f)(scaled) == f(dequantized inputs)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FORMATS, check_against_dequantized, fast_jit, make_scaled
+
+import qformats as qf
+import scalify as jsa
+
+RNG = np.random.default_rng(0)
+X = (RNG.standard_normal((4, 32)) * 3).astype(np.float32)
+Y = (RNG.standard_normal((4, 32)) * 0.5).astype(np.float32)
+
+UNARY = {
+    "neg": lambda x: -x,
+    "abs": jnp.abs,
+    "exp": jnp.exp,
+    "log": lambda x: jnp.log(jnp.abs(x) + 1.0),
+    "tanh": jnp.tanh,
+    "logistic": jax.nn.sigmoid,
+    "erf": jax.scipy.special.erf,
+    "sqrt": lambda x: jnp.sqrt(jnp.abs(x)),
+    "rsqrt": lambda x: jax.lax.rsqrt(jnp.abs(x) + 1.0),
+    "square": jnp.square,
+    "cube": lambda x: x**3,
+    "sin_cos": lambda x: jnp.sin(x) + jnp.cos(x),
+    "log1p": lambda x: jnp.log1p(jnp.abs(x)),
+    "sign": jnp.sign,
+    "relu": jax.nn.relu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_erf": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "softplus": jax.nn.softplus,
+    "log_softmax": jax.nn.log_softmax,
+    "logsumexp": lambda x: jax.nn.logsumexp(x, axis=-1),
+    "softmax": jax.nn.softmax,
+    "erf_inv": lambda x: jax.scipy.special.erfinv(jnp.tanh(x) * 0.9),
+    "pow": lambda x: jnp.power(jnp.abs(x) + 1.0, 1.5),
+    "clip": lambda x: jnp.clip(x, -1.0, 2.0),
+    "round": jnp.round,
+    "astype_f16": lambda x: x.astype(jnp.float16).astype(jnp.float32),
+    "isfinite": lambda x: jnp.where(jnp.isfinite(x), x, 0.0),
+    "reshape": lambda x: x.reshape(8, 16),
+    "reshape_flat": lambda x: x.reshape(-1),
+    "transpose": lambda x: x.T,
+    "slice": lambda x: x[1:3, 8:24],
+    "rev": lambda x: x[::-1, ::-1],
+    "broadcast": lambda x: jnp.broadcast_to(x[None], (2, 4, 32)),
+    "expand_squeeze": lambda x: jnp.squeeze(x[:, None, :], 1),
+    "sum_all": jnp.sum,
+    "sum_0": lambda x: jnp.sum(x, axis=0),
+    "sum_1": lambda x: jnp.sum(x, axis=1),
+    "mean": jnp.mean,
+    "var": lambda x: jnp.var(x, axis=-1),
+    "max_1": lambda x: jnp.max(x, axis=1),
+    "min_0": lambda x: jnp.min(x, axis=0),
+    "argmax": lambda x: jnp.argmax(x, axis=-1),
+    "cumsum": lambda x: jnp.cumsum(x, axis=0),
+    "cumsum_1": lambda x: jnp.cumsum(x, axis=1),
+    "concat_self": lambda x: jnp.concatenate([x, -x], axis=0),
+    "pad": lambda x: jnp.pad(x, ((1, 1), (0, 0))),
+    "take": lambda x: x[jnp.array([2, 0, 3])],
+    "dynamic_slice": lambda x: jax.lax.dynamic_slice(x, (1, 0), (2, 32)),
+    "scalar_mul": lambda x: x * 3.0 + 1.0,
+    "layer_norm": lambda x: (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5),
+    "gram": lambda x: x @ x.T,
+}
+
+BINARY = {
+    "add": jnp.add,
+    "sub": jnp.subtract,
+    "mul": jnp.multiply,
+    "div": lambda a, b: a / (jnp.abs(b) + 1.0),
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "where": lambda a, b: jnp.where(a > b, a, b),
+    "compare": lambda a, b: (a >= b).astype(jnp.float32),
+    "concat": lambda a, b: jnp.concatenate([a, b], axis=1),
+    "stack": lambda a, b: jnp.stack([a, b]),
+    "matmul_t": lambda a, b: a @ b.T,
+}
+
+
+def _check_all(fns, args, rtol=1e-5, tolerances=None):
+    """Run every function of ``fns`` in one jitted scalify call and compare each output.
+
+    One compilation per format keeps the suite fast; a failure lists every failing operator.
+    """
+    tolerances = tolerances or {}
+    deq = [np.asarray(a) if isinstance(a, jsa.ScaledArray) else a for a in args]
+
+    def many(*xs):
+        return {name: fn(*xs) for name, fn in fns.items()}
+
+    expected = fast_jit(many, *[jnp.asarray(d) for d in deq])
+    got = fast_jit(jsa.scalify(many), *args)
+    failures = []
+    for name in fns:
+        e, g = np.asarray(expected[name], np.float64), np.asarray(got[name], np.float64)
+        tol = tolerances.get(name, rtol)
+        try:
+            np.testing.assert_allclose(g, e, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(e), initial=0.0))))
+        except AssertionError as err:
+            failures.append(f"{name}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_unary(fmt):
+    # A cast rounds the data, not the value: with non power-of-two scales (int8 per-channel, NVFP4's
+    # E4M3 block scales) the two roundings differ by up to one float16 ulp (2**-11 relative).
+    _check_all(UNARY, [make_scaled(X, fmt)], tolerances={"astype_f16": 1e-3})
+
+
+def test_unary_eager_sample(fmt):
+    """A few operators without jit (op-by-op dispatch of the interpreter)."""
+    for name in ("relu", "log_softmax", "reshape", "sum_1", "gram"):
+        check_against_dequantized(UNARY[name], make_scaled(X, fmt))
+
+
+def test_binary(fmt):
+    _check_all(BINARY, [make_scaled(X, fmt), make_scaled(Y, fmt, scale=0.5)])
+
+
+def test_binary_mixed_plain(fmt):
+    _check_all(
+        {k: BINARY[k] for k in ("add", "mul", "max", "where", "matmul_t")}, [make_scaled(X, fmt), jnp.asarray(Y)]
+    )
+
+
+def _weight_formats(fmt):
+    """Weights (K, N): the same format, and for block formats the MX hardware layout (blocked on K)."""
+    out = [fmt]
+    if fmt is not None and isinstance(fmt.layout, qf.Blocked):
+        out.append(fmt.replace(axis=0))
+    return out
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_matmul(fmt, layout):
+    wfmts = _weight_formats(fmt)
+    if layout >= len(wfmts):
+        pytest.skip("single layout for this format")
+    w = (RNG.standard_normal((32, 64)) * 0.1).astype(np.float32)
+    sw = make_scaled(w, wfmts[layout], scale=0.125)
+    check_against_dequantized(lambda a, b: a @ b, make_scaled(X, fmt), sw, rtol=1e-4)
+
+
+def test_blocked_dot_uses_block_products():
+    """MX layout on both operands: the rule contracts per block (no dequantized f32 operands)."""
+    a = jsa.as_scaled_array(jnp.asarray(X), fmt=qf.MXFP8)
+    a = jsa.as_scaled_array(jnp.asarray(RNG.standard_normal((4, 96)), jnp.float32), fmt=qf.MXFP8)
+    b = jsa.as_scaled_array(jnp.asarray(RNG.standard_normal((96, 16)), jnp.float32), fmt=qf.MXFP8.replace(axis=0))
+    jaxpr = jax.make_jaxpr(jsa.scalify(lambda u, v: u @ v))(a, b)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    # The data dot has the block index as a batch dimension.
+    assert any(e.params["dimension_numbers"][1][0] for e in dots)
+    np.testing.assert_allclose(
+        np.asarray(jsa.scalify(lambda u, v: u @ v)(a, b)), np.asarray(a) @ np.asarray(b), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_embedding_lookup(fmt):
+    table = (RNG.standard_normal((16, 32))).astype(np.float32)
+    idx = jnp.array([[1, 5, 7], [0, 15, 3]])
+    check_against_dequantized(lambda t: t[idx], make_scaled(table, fmt))
+
+
+def test_conv(fmt):
+    x = RNG.standard_normal((2, 8, 8, 32)).astype(np.float32)
+    w = (RNG.standard_normal((3, 3, 32, 32)) * 0.1).astype(np.float32)
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    check_against_dequantized(f, make_scaled(x, fmt), make_scaled(w, fmt, scale=0.125), rtol=1e-4)
+
+
+def test_pooling(fmt):
+    x = RNG.standard_normal((2, 8, 8, 32)).astype(np.float32)
+
+    def f(x):
+        mx = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        avg = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
+        return mx + avg
+
+    check_against_dequantized(f, make_scaled(x, fmt))
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "mxfp8"])
+def test_pooling_grad(fmt_name):
+    x = jnp.asarray(RNG.standard_normal((2, 8, 8, 32)).astype(np.float32))
+    sx = make_scaled(x, FORMATS[fmt_name])
+
+    def f(x):
+        mx = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        return jnp.sum(mx * mx)
+
+    g = jsa.scalify(jax.grad(f))(sx)
+    np.testing.assert_allclose(np.asarray(g), jax.grad(f)(jnp.asarray(np.asarray(sx))), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("fmt_name", ["int8_per_channel", "mxfp8"])
+def test_low_precision_carrier(dtype, fmt_name):
+    """Formats on float16 / bfloat16 tensors: carrier data stays O(1), products cannot overflow."""
+    fmt = FORMATS[fmt_name]
+    x = jnp.asarray(RNG.standard_normal((8, 64)) * 100.0, dtype)
+    w = jnp.asarray(RNG.standard_normal((64, 32)) * 100.0, dtype)
+    wfmt = fmt.replace(axis=0) if isinstance(fmt.layout, qf.Blocked) else fmt
+    sx, sw = jsa.as_scaled_array(x, fmt=fmt), jsa.as_scaled_array(w, fmt=wfmt)
+    assert sx.dtype == dtype
+
+    def f(a, b):
+        return jax.nn.gelu(a @ b) * 2.0 + jnp.sum(a * a, axis=-1, keepdims=True)[:, :1]
+
+    out = jax.jit(jsa.scalify(f))(sx, sw)
+    assert out.dtype == dtype
+    ref = f(jnp.asarray(np.asarray(sx), jnp.float32), jnp.asarray(np.asarray(sw), jnp.float32))
+    got = np.asarray(out.to_array(jnp.float32))
+    assert np.all(np.isfinite(got))  # the float32 reference reaches ~1e6: beyond float16's range
+    rtol = 1e-2 if dtype == jnp.bfloat16 else 2e-3
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * float(np.max(np.abs(ref))))
