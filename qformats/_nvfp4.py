@@ -64,7 +64,9 @@ class NVFP4Format(ScaledFormat):
         else:
             tensor = jnp.float32(1)
         code = _E4M3.encode(jnp.clip(block_scale, _E4M3_TINY, _E4M3.max_value))
-        total = tensor * code.astype(jnp.float32)
+        # XLA fuses this per-block chain into the element loop; decoding the E4M3 code from its
+        # bits there is cheaper than XLA's float8 convert (same values).
+        total = tensor * _E4M3.decode(code)
         data = _FP4.encode(x / _layout.expand(total, x.shape, block))
         if self.packed:
             data = _packing.pack(data, 4, self.axis % x.ndim)

@@ -34,7 +34,8 @@ def register_format(fmt: ScaledFormat, name: str | None = None, *, overwrite: bo
     """
     if not isinstance(fmt, ScaledFormat):
         raise TypeError(
-            f"register_format expects a qformats.ScaledFormat, got {type(fmt).__name__}. Subclass qformats.ScaledFormat (see docs/custom_formats.md)."
+            f"register_format expects a qformats.ScaledFormat, got {type(fmt).__name__}. "
+            "Subclass qformats.ScaledFormat (see docs/custom_formats.md)."
         )
     key = (name or fmt.name).lower()
     for k in (key, *(a.lower() for a in aliases)):

@@ -71,7 +71,7 @@ def test_register_taken_name_needs_overwrite():
         assert qf.get_format("My_MX") is fmt
         qf.register_format(fmt)  # the same value again is harmless
         other = fmt.replace(block_size=16)
-        with pytest.raises(ValueError, match="already registered as 'my_mx'.*overwrite=True"):
+        with pytest.raises(ValueError, match=r"already registered as 'my_mx'.*overwrite=True"):
             qf.register_format(other)
         qf.register_format(other, overwrite=True)
         assert qf.get_format("my_mx") is other
@@ -79,7 +79,7 @@ def test_register_taken_name_needs_overwrite():
             qf.register_format(other, name="mxfp8")
     finally:
         qf.unregister_format("my_mx")
-    with pytest.raises(TypeError, match="expects a qformats.ScaledFormat"):
+    with pytest.raises(TypeError, match=r"expects a qformats\.ScaledFormat"):
         qf.register_format("mxfp8")
 
 
