@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qformats import _bits, _elements, _layout, _packing
+from qformats import _bits, _layout, _packing
 from qformats._format import ScaledFormat
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")

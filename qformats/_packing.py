@@ -15,14 +15,14 @@ from jax import lax
 def _split(x, axis, k):
     """Reshape ``axis`` of length ``n`` into ``(n // k, k)``; returns the k slices."""
     shape = x.shape
-    g = x.reshape(shape[:axis] + (shape[axis] // k, k) + shape[axis + 1 :])
+    g = x.reshape((*shape[:axis], shape[axis] // k, k, *shape[axis + 1 :]))
     return [jnp.take(g, i, axis=axis + 1) for i in range(k)]
 
 
 def _join(parts, axis):
     st = jnp.stack(parts, axis=axis + 1)
     shape = parts[0].shape
-    return st.reshape(shape[:axis] + (shape[axis] * len(parts),) + shape[axis + 1 :])
+    return st.reshape((*shape[:axis], shape[axis] * len(parts), *shape[axis + 1 :]))
 
 
 def _group_word(x, k, word):
@@ -66,7 +66,8 @@ def pack(codes, bits: int, axis: int):
     if bits == 6:
         c = [p.astype(jnp.uint32) for p in _split(codes, axis, 4)]
         w = c[0] | (c[1] << 6) | (c[2] << 12) | (c[3] << 18)
-        return _join([(w & 0xFF).astype(jnp.uint8), ((w >> 8) & 0xFF).astype(jnp.uint8), (w >> 16).astype(jnp.uint8)], axis)
+        parts = [(w & 0xFF).astype(jnp.uint8), ((w >> 8) & 0xFF).astype(jnp.uint8), (w >> 16).astype(jnp.uint8)]
+        return _join(parts, axis)
     raise ValueError(f"cannot pack {bits}-bit codes; only 4 and 6 are supported")
 
 

@@ -1,0 +1,1 @@
+"""asv benchmarks for qformats and scalify (see docs/performance.md)."""

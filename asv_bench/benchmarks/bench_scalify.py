@@ -1,0 +1,165 @@
+"""Models under ``scalify``, per format, against the same step in plain JAX.
+
+* an MLP training step (forward, backward, SGD update);
+* a transformer block forward + backward (layer norm, single-head attention, GELU MLP).
+
+``track_*_ratio`` is the jitted step under scalify over the plain jitted step (interleaved
+medians); ``track_*_trace_lower_ratio`` is the time to trace and lower the scalified step over the
+plain one (the interpreter's one-off price). Skipped while ``scalify.scalify`` is not importable,
+or when scalify lacks a rule the model needs for that format.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ._common import FORMAT_NAMES, MODEL_DIMS, SMALL, block, get_format, interleaved_ratio, make_data, scalify_or_skip
+
+BATCH, D_MODEL, D_HIDDEN = MODEL_DIMS
+
+
+def _init(shapes, seed):
+    import jax.numpy as jnp
+
+    return {
+        k: jnp.asarray(make_data("gaussian", s, seed=seed + i) / np.sqrt(s[0]))
+        for i, (k, s) in enumerate(shapes.items())
+    }
+
+
+def mlp_step(params, x, y):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(p):
+        h = jax.nn.relu(x @ p["w1"])
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    g = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, d: p - 0.01 * d, params, g)
+
+
+def transformer_fwd_bwd(params, x):
+    import jax
+    import jax.numpy as jnp
+
+    def layer_norm(h):
+        mu = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean((h - mu) ** 2, axis=-1, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(var + 1e-5)
+
+    def loss(p):
+        h = layer_norm(x)
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        att = jax.nn.softmax((q @ k.T) / np.float32(np.sqrt(D_MODEL)), axis=-1)
+        h = x + (att @ v) @ p["wo"]
+        h = h + jax.nn.gelu(layer_norm(h) @ p["w1"]) @ p["w2"]
+        return jnp.mean(h**2)
+
+    return jax.value_and_grad(loss)(params)
+
+
+def _scaled_tree(tree, fmt, as_scaled_array):
+    import jax
+
+    return jax.tree.map(lambda a: as_scaled_array(a, fmt=fmt), tree)
+
+
+def _plain(tree):
+    import jax
+
+    return jax.tree.map(
+        lambda a: a.to_array() if hasattr(a, "to_array") else a, tree, is_leaf=lambda a: hasattr(a, "to_array")
+    )
+
+
+def _trace_lower_seconds(make_fn, args, repeats=1 if SMALL else 3):
+    import jax
+
+    best = float("inf")
+    for _ in range(repeats):
+        fn = make_fn()  # a fresh function: nothing cached
+        t0 = time.perf_counter()
+        jax.jit(fn).lower(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class _ScalifyModel:
+    params = (FORMAT_NAMES,)
+    param_names = ("format",)
+    timeout = 300
+    model = None  # (step, param shapes, make extra args)
+
+    def setup(self, fmt_name):
+        import jax
+
+        scalify, as_scaled_array = scalify_or_skip()
+        fmt = get_format(fmt_name)
+        step, shapes = self.model
+        p = _init(shapes, seed=10)
+        extra = self.extra_args()
+        self.plain_args = (p, *extra)
+        self.plain = jax.jit(step)
+        block(self.plain(*self.plain_args))
+        self._make_plain = lambda: lambda *a: step(*a)
+        self._make_scaled = lambda: lambda *a: _plain(scalify(step)(*a))
+        try:
+            self.scaled_args = (
+                _scaled_tree(p, fmt, as_scaled_array),
+                *_scaled_tree(extra[:1], fmt, as_scaled_array),
+                *extra[1:],
+            )
+            self.scaled = jax.jit(self._make_scaled())
+            block(self.scaled(*self.scaled_args))
+        except Exception as e:
+            raise NotImplementedError(f"scalify cannot run this model in {fmt_name}: {type(e).__name__}: {e}") from e
+
+    def time_plain(self, fmt_name):
+        block(self.plain(*self.plain_args))
+
+    def time_scalified(self, fmt_name):
+        block(self.scaled(*self.scaled_args))
+
+    def track_ratio(self, fmt_name):
+        return interleaved_ratio(self.scaled, self.scaled_args, self.plain, self.plain_args, 11)
+
+    def track_trace_lower_ratio(self, fmt_name):
+        t_scaled = _trace_lower_seconds(self._make_scaled, self.scaled_args)
+        t_plain = _trace_lower_seconds(self._make_plain, self.plain_args)
+        return t_scaled / t_plain
+
+    track_ratio.unit = track_trace_lower_ratio.unit = "ratio"
+
+
+class MLPTrainStep(_ScalifyModel):
+    model = (mlp_step, {"w1": (D_MODEL, D_HIDDEN), "w2": (D_HIDDEN, D_MODEL)})
+
+    def extra_args(self):
+        import jax.numpy as jnp
+
+        return (
+            jnp.asarray(make_data("gaussian", (BATCH, D_MODEL), 20)),
+            jnp.asarray(make_data("gaussian", (BATCH, D_MODEL), 21)),
+        )
+
+
+class TransformerBlockFwdBwd(_ScalifyModel):
+    model = (
+        transformer_fwd_bwd,
+        {
+            "wq": (D_MODEL, D_MODEL),
+            "wk": (D_MODEL, D_MODEL),
+            "wv": (D_MODEL, D_MODEL),
+            "wo": (D_MODEL, D_MODEL),
+            "w1": (D_MODEL, D_HIDDEN),
+            "w2": (D_HIDDEN, D_MODEL),
+        },
+    )
+
+    def extra_args(self):
+        import jax.numpy as jnp
+
+        return (jnp.asarray(make_data("gaussian", (BATCH, D_MODEL), 22)),)
