@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import math
 import sys
 from pathlib import Path
@@ -100,8 +101,7 @@ def table(results: dict, header: dict, source: Path) -> str:
     m = header.get("params", {})
     lines = [
         f"Machine: `{m.get('machine', '?')}`, {m.get('cpu', '?')}, {m.get('num_cpu', '?')} CPUs, "
-        f"{m.get('os', '?')}; Python {header.get('python', '?')}; commit `{header.get('commit_hash', '?')[:10]}`; "
-        f"results file `{source.relative_to(ROOT) if source.is_relative_to(ROOT) else source}`.",
+        f"{m.get('os', '?')}; Python {platform.python_version()}; commit `{header.get('commit_hash', '?')[:10]}`.",
         "",
         f"Ratios are median wall time over the median of `x * 2` under jit on the same {shape} float32 array, "
         "runs interleaved (lower is better); ✓/✗ against the target in brackets. Bits per element include "
