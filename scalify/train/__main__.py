@@ -1,0 +1,3 @@
+from scalify.train._cli import main
+
+raise SystemExit(main())
