@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import qformats as qf
+from scalify._config import pow2_round
 from scalify._jax_compat import bind_eqn, lax_primitive, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
@@ -19,6 +21,8 @@ from scalify._rules_common import (
     fold,
     full_resolution,
     per_tensor,
+    rescale,
+    safe_scale,
     structural,
 )
 from scalify._scaled_array import ScaledArray, expand_scale
@@ -61,13 +65,21 @@ def _sharding_constraint(eqn, x):
 @register_rule(
     p.convert_element_type_p,
     "commuting",
-    "float->float: data cast, scale kept; float->int/bool: dequantize then cast (plain output).",
+    "float->wider float: data cast, scale kept; float->narrower float: a power of two per block moved "
+    "from data into the scale first (never overflows); float->int/bool: dequantize then cast (plain output).",
 )
 def _convert(eqn, x):
     new = eqn.params["new_dtype"]
-    if jnp.issubdtype(new, jnp.floating):
+    if not jnp.issubdtype(new, jnp.floating):
+        return bind_eqn(eqn, [dequant(x)])[0]
+    if jnp.finfo(new).max >= jnp.finfo(x.data.dtype).max:
         return _data_only(eqn, x)
-    return bind_eqn(eqn, [dequant(x)])[0]
+    # Narrowing (float32 -> float16, say): the data may exceed the new range although the value
+    # is fine. Renormalise each scale block by its amax rounded to a power of two (exact).
+    block = tuple(d // g for d, g in zip(x.data.shape, x.scale.shape, strict=True)) if x.scale.ndim else x.data.shape
+    amax = qf.block_amax(x.data, block).reshape(x.scale.shape) if x.data.size else jnp.ones(x.scale.shape, F32)
+    r = safe_scale(pow2_round(safe_scale(amax)))
+    return ScaledArray(rescale(x.data, 1.0 / r, new), x.scale * r)
 
 
 @register_rule(p.sign_p, "commuting", "sign(data) (scales are positive); plain output.")
