@@ -13,11 +13,30 @@ import jax.numpy as jnp
 
 from scalify._jax_compat import add_any_p, bind_eqn, lax_primitive, p
 from scalify._registry import register_rule
-from scalify._rules_common import align, combine_l2, fold, per_tensor, promote, sqrt_rescale
+from scalify._rules_common import (
+    align,
+    combine_l2,
+    dequant,
+    fold,
+    is_runtime_plain,
+    is_scaled,
+    per_tensor,
+    promote,
+    requant_blocks,
+    sqrt_rescale,
+)
 from scalify._scaled_array import ScaledArray, block_of
 
 
 def _add(eqn, *xs):
+    if any(is_runtime_plain(x) for x in xs):
+        # A plain runtime operand would get scale 1 (its magnitude is unknown at trace time), which
+        # swamps small-scale operands (a float16 carrier flushes them to zero) or lets a large
+        # plain value overflow. Add the values in float32 and re-quantize per block instead.
+        _, s = align([x for x in xs if is_scaled(x)], combine_l2)
+        (value,) = bind_eqn(eqn, [dequant(x) for x in xs])
+        grid = () if jnp.ndim(s) == 0 or jnp.ndim(value) == 0 else tuple(jnp.shape(s))
+        return requant_blocks(value, grid, eqn.outvars[0].aval.dtype)
     datas, s = align(list(xs), combine_l2)
     return ScaledArray(bind_eqn(eqn, datas)[0], s)
 
@@ -26,7 +45,8 @@ register_rule(
     [p.add_p, p.sub_p, add_any_p],
     "additive",
     "common scale sqrt(sa^2+sb^2) rounded to a power of two, per block when blocks line up "
-    "(else folded to per-tensor); output carrier.",
+    "(else folded to per-tensor); output carrier. With a plain (non-static) operand: float32 sum "
+    "re-quantized per block (scale = block amax rounded to 2^k).",
 )(_add)
 
 

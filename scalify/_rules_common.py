@@ -14,7 +14,7 @@ import numpy as np
 
 from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
 from scalify._jax_compat import bind_eqn, is_tracer
-from scalify._scaled_array import ScaledArray, expand_scale
+from scalify._scaled_array import ScaledArray, block_of, expand_scale
 
 F32 = jnp.float32
 
@@ -50,6 +50,11 @@ class _Zero:
 
 
 ZERO = _Zero()
+
+
+def is_runtime_plain(x) -> bool:
+    """A plain floating operand whose value is not a static scalar (its magnitude is unknown)."""
+    return not is_scaled(x) and is_float(x) and static_scalar(x) is None
 
 
 def promote(x, *, zero_adopts=True):
@@ -105,6 +110,38 @@ def requant(v, dtype) -> ScaledArray:
     return ScaledArray((v * (1.0 / s)).astype(dtype), s)
 
 
+def renormalize(v, scale, dtype) -> ScaledArray:
+    """Carrier of the float32 data ``v`` on the block-grid (or 0-d) ``scale``, renormalised per block.
+
+    Each block's data is divided by its absolute max rounded to a power of two (moved into the
+    scale), so the data fits the carrier ``dtype`` whatever its float32 magnitude was.
+    """
+    v = jnp.asarray(v, F32)
+    scale = jnp.asarray(scale, F32)
+    grid = () if v.ndim == 0 else tuple(scale.shape)
+    r = safe_scale(pow2_round(safe_scale(block_amax(v, grid))))
+    return ScaledArray((v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r)
+
+
+def block_amax(v, grid_shape):
+    """Absolute max of the float32 ``v`` over each block of a rank-matched (or empty: per-tensor) grid."""
+    v = jnp.abs(jnp.asarray(v, F32))
+    if v.size == 0:
+        return jnp.ones(grid_shape, F32)
+    if not grid_shape or v.ndim == 0:
+        return jnp.max(v)
+    block = block_of(tuple(grid_shape), tuple(v.shape))
+    inter = [d for pair in zip(grid_shape, block, strict=True) for d in pair]
+    return jnp.max(v.reshape(inter), axis=tuple(range(1, 2 * v.ndim, 2)))
+
+
+def requant_blocks(v, grid_shape, dtype) -> ScaledArray:
+    """Carrier of the float32 value ``v`` on a block grid: per block, scale = amax rounded to 2^k."""
+    v = jnp.asarray(v, F32)
+    s = safe_scale(pow2_round(safe_scale(block_amax(v, tuple(grid_shape)))))
+    return ScaledArray((v * expand_scale(1.0 / s, v.shape)).astype(dtype), s)
+
+
 def unit(v, dtype) -> ScaledArray:
     """Carrier with scale 1 (for bounded outputs such as tanh or logistic)."""
     return ScaledArray(jnp.asarray(v).astype(dtype), jnp.ones((), F32))
@@ -135,8 +172,18 @@ def _grid_shapes_compatible(xs):
 
 
 def combine_l2(scales):
-    s2 = sum(s * s for s in scales)
-    return pow2_round(jnp.sqrt(s2))
+    """``sqrt(sum(s**2))`` rounded to a power of two, without squaring the scales themselves.
+
+    The scales are normalised by their maximum first: squaring a raw scale leaves float32's range
+    for scales beyond ~2**64 (or below ~2**-64), and under ``jit`` XLA may re-associate the static
+    power-of-two factors of a scale chain (``to_carrier``'s shift, sqrt(K) allowances, literals)
+    into one constant that overflows while the remaining factor underflows (0 * inf = NaN).
+    """
+    if len(scales) == 1:
+        return pow2_round(jnp.asarray(scales[0], F32))
+    m = safe_scale(combine_max(scales))
+    s2 = sum(jnp.square(s / m) for s in scales)
+    return pow2_round(jnp.sqrt(s2) * m)
 
 
 def combine_max(scales):

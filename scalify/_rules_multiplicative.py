@@ -30,6 +30,7 @@ from scalify._rules_common import (
     fold,
     per_tensor,
     promote,
+    renormalize,
     requant,
     sqrt_rescale,
 )
@@ -50,11 +51,31 @@ register_rule(
     "data * data, scale * scale (block grids broadcast; static scalars split exactly into 2^k).",
 )(lambda eqn, a, b: _binary(eqn, a, b, lambda x, y: x * y))
 
-register_rule(
+@register_rule(
     p.div_p,
     "multiplicative",
-    "data / data, scale / scale (block grids broadcast).",
-)(lambda eqn, a, b: _binary(eqn, a, b, lambda x, y: x / y))
+    "data / data in float32, scale / scale (block grids broadcast); the quotient is renormalised per "
+    "block (amax rounded to 2^k moved into the scale) so it cannot overflow the carrier dtype.",
+)
+def _div(eqn, a, b):
+    pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
+    if _grid_shapes_compatible([pa, pb]) is None:
+        pa, pb = fold(pa), fold(pb)
+    out_dtype = eqn.outvars[0].aval.dtype
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        (data,) = bind_eqn(eqn, [pa.data, pb.data])
+        return ScaledArray(data, pa.scale / pb.scale)
+    q = eqn.primitive.bind(pa.data.astype(F32), pb.data.astype(F32))
+    scale = _grid_of(pa.scale / pb.scale, q.ndim)
+    return renormalize(q, scale, out_dtype)
+
+
+def _grid_of(scale, ndim):
+    """A broadcast scale as 0-d or rank-matched (size-1 grids collapse to 0-d)."""
+    scale = jnp.asarray(scale, F32)
+    if scale.ndim == 0 or scale.size == 1:
+        return scale.reshape(())
+    return scale.reshape((1,) * (ndim - scale.ndim) + tuple(scale.shape))
 
 
 def _grid(x: ScaledArray):
