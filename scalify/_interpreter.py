@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from scalify._config import get_config
 from scalify._jax_compat import DropVar, Literal, bind_eqn, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
+from scalify._rules_common import isolate_scale
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
 
 # Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
@@ -117,6 +118,7 @@ def eval_jaxpr(jaxpr, consts, *args):
             outs = rule.fn(eqn, *args_)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
+            outs = [isolate_scale(o) for o in outs]
             if keep:
                 outs = _maybe_keep_format(rule, invals, list(outs))
         else:

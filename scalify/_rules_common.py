@@ -302,6 +302,21 @@ def structural(eqn, x: ScaledArray, *rest):
     return outs if multi else outs[0]
 
 
+def isolate_scale(x):
+    """``x`` with its (traced) scale behind an ``optimization_barrier``; other values unchanged.
+
+    A rule builds its output scale from its operands' scales and static powers of two
+    (``to_carrier``'s shift, split literals, sqrt(K) allowances). Under ``jit`` XLA re-associates
+    such products across equations and folds the static factors of a long chain (e.g. the ``scale**2``
+    of an l2 combine after ``scale**3``) into one constant, which can overflow float32 while the
+    runtime factor underflows (``inf * 0 = NaN``), although every scale of the chain is in range.
+    Sealing each rule's output scale keeps the compiled arithmetic what the rules wrote (as eagerly).
+    """
+    if isinstance(x, ScaledArray) and is_tracer(x.scale):
+        return ScaledArray(x.data, jax.lax.optimization_barrier(x.scale), fmt=x.fmt, dtype=x._dtype)
+    return x
+
+
 def full_resolution(x: ScaledArray) -> ScaledArray:
     """Carrier whose scale has the data's shape (block 1 everywhere)."""
     return ScaledArray(x.data, jnp.broadcast_to(expand_scale(x.scale, x.data.shape), x.data.shape))

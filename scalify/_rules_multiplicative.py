@@ -33,6 +33,7 @@ from scalify._rules_common import (
     renormalize,
     requant,
     sqrt_rescale,
+    static_scalar,
 )
 from scalify._scaled_array import ScaledArray, expand_scale
 
@@ -51,6 +52,7 @@ register_rule(
     "data * data, scale * scale (block grids broadcast; static scalars split exactly into 2^k).",
 )(lambda eqn, a, b: _binary(eqn, a, b, lambda x, y: x * y))
 
+
 @register_rule(
     p.div_p,
     "multiplicative",
@@ -62,7 +64,8 @@ def _div(eqn, a, b):
     if _grid_shapes_compatible([pa, pb]) is None:
         pa, pb = fold(pa), fold(pb)
     out_dtype = eqn.outvars[0].aval.dtype
-    if not jnp.issubdtype(out_dtype, jnp.floating):
+    if not jnp.issubdtype(out_dtype, jnp.floating) or static_scalar(b) not in (None, 0.0):
+        # A static divisor is split into 2^k * [1, 2): the data at most halves, nothing to renormalise.
         (data,) = bind_eqn(eqn, [pa.data, pb.data])
         return ScaledArray(data, pa.scale / pb.scale)
     q = eqn.primitive.bind(pa.data.astype(F32), pb.data.astype(F32))

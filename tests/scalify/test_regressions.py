@@ -1,0 +1,152 @@
+"""Regressions of rules that let values leave their range (found training scalify/train's transformer).
+
+Each test compares ``scalify(f)(scaled)`` with ``f`` on the dequantized float32 inputs, eagerly and
+under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qformats as qf
+import scalify as jsa
+from scalify import ops
+
+RNG = np.random.default_rng(0)
+
+# float16 has a 10-bit mantissa: one rounding of the output data costs at most 2**-11 relative;
+# float32 carriers are compared at a few ulps.
+RTOL_F16 = 2.0**-10
+RTOL_F32 = 1e-6
+
+MODES = {"eager": lambda f: f, "jit": jax.jit}
+
+
+def _carrier(data, scale, dtype=jnp.float32):
+    """A carrier ScaledArray with exactly this data and scale (``as_scaled_array`` divides the value)."""
+    return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.asarray(scale, jnp.float32))
+
+
+def _deq(x):
+    return np.asarray(x.to_array(jnp.float32) if isinstance(x, jsa.ScaledArray) else x, np.float32)
+
+
+def _check(f, args, ref, rtol):
+    ref = np.asarray(ref, np.float32)
+    assert np.isfinite(ref).all()
+    for name, wrap in MODES.items():
+        out = wrap(jsa.scalify(f))(*args)
+        assert isinstance(out, jsa.ScaledArray), name
+        assert np.isfinite(np.asarray(out.scale)).all(), (name, out.scale)
+        got = _deq(out)
+        assert np.isfinite(got).all(), name
+        # Per-element relative error, floored at the output's largest magnitude times rtol (the
+        # resolution of a per-tensor / per-block carrier below its max).
+        np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * np.abs(ref).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_add_huge_scales_l2_combine_does_not_overflow(dtype):
+    """combine_l2 squared the raw scales: 2**70 ** 2 is inf in float32, the sum then had scale inf."""
+    a = RNG.standard_normal((4, 16)).astype(np.float32)
+    b = RNG.standard_normal((4, 16)).astype(np.float32)
+    sa = _carrier(a, dtype=dtype, scale=np.float32(2.0**70))
+    sb = _carrier(b, dtype=dtype, scale=np.float32(2.0**69))
+    rtol = RTOL_F16 if dtype == jnp.float16 else RTOL_F32
+    _check(jnp.add, (sa, sb), _deq(sa) + _deq(sb), 2 * rtol)
+
+
+def test_add_eps_to_huge_variance_scale():
+    """LayerNorm's ``var + eps`` with a variance scale ~9e21 (scale ** 2 overflows float32)."""
+    var = np.abs(RNG.standard_normal((8, 1))).astype(np.float32) + 0.5
+    sv = _carrier(var, scale=np.float32(2.0**73))
+    _check(lambda v: v + 1e-5, (sv,), _deq(sv) + np.float32(1e-5), RTOL_F32)
+
+
+def test_add_tiny_scales_l2_combine_does_not_underflow():
+    """The mirror case: 2**-80 ** 2 flushes to zero in float32 (the common scale became 0)."""
+    a = RNG.standard_normal((4, 16)).astype(np.float32)
+    sa = _carrier(a, scale=np.float32(2.0**-80))
+    sb = _carrier(a[::-1].copy(), scale=np.float32(2.0**-81))
+    _check(jnp.subtract, (sa, sb), _deq(sa) - _deq(sb), 2 * RTOL_F32)
+
+
+def test_chained_scale_products_under_jit():
+    """Two per-tensor fp8_e5m2 operands, a product, then ``z + c * z**3`` (the GELU polynomial).
+
+    The scale chain is ``((sx*K) * (sy*K))**3 * c`` with ``K`` the static shift ``to_carrier`` moves
+    into the scale. Under jit XLA re-associates the static factors of ``scale**2`` (in combine_l2) into
+    one constant (K**12 * c**2: inf in float32) times the runtime part (underflows to 0): NaN scale.
+    Eagerly every product is rounded in order and stays finite.
+    """
+    fmt = qf.FP8_E5M2
+    x = (RNG.standard_normal((32, 64)) * 1e-2).astype(np.float32)
+    y = (RNG.standard_normal((32, 64)) * 1e-3).astype(np.float32)
+    sx, sy = jsa.as_scaled_array(jnp.asarray(x), fmt=fmt), jsa.as_scaled_array(jnp.asarray(y), fmt=fmt)
+
+    def f(a, b):
+        z = a * b * 1e4
+        return z + 0.044715 * z**3
+
+    za = _deq(sx).astype(np.float64) * _deq(sy) * np.float32(1e4)
+    ref = za + 0.044715 * za**3
+    _check(f, (sx, sy), ref, 4 * RTOL_F32)
+
+
+def test_quantized_matmul_then_gelu_polynomial_under_jit():
+    """The transformer's MLP: ops.quantize to fp8_e5m2, matmul, GELU polynomial (was NaN under jit)."""
+    a = RNG.standard_normal((32, 64)).astype(np.float32)
+    b = (RNG.standard_normal((64, 128)) * 0.02).astype(np.float32)
+
+    def f(p, q):
+        z = ops.quantize(p, qf.FP8_E5M2) @ ops.quantize(q, qf.FP8_E5M2)
+        return z + 0.044715 * z**3
+
+    # Outside scalify ops.quantize is fake quantization: the same values in plain float32.
+    ref = jax.jit(f)(jnp.asarray(a), jnp.asarray(b))
+    _check(f, (jsa.as_scaled_array(jnp.asarray(a)), jsa.as_scaled_array(jnp.asarray(b))), ref, 1e-5)
+
+
+@pytest.mark.parametrize("grid", [(), (4, 1)], ids=["per_tensor", "per_row"])
+def test_div_float16_data_renormalised(grid):
+    """float16 data 117 / 3.4e-4 = 3.4e5 overflowed float16 (max 65504); the quotient must get a new scale."""
+    num = RNG.uniform(64.0, 128.0, (4, 8)).astype(np.float32)
+    den = RNG.uniform(2.0**-12, 2.0**-11, (4, 8)).astype(np.float32)
+    num[0, 0], den[0, 0] = 117.0, 3.4e-4
+    scale = np.float32(1.0) if not grid else np.full(grid, 1.0, np.float32)
+    sn = _carrier(num, dtype=jnp.float16, scale=scale)
+    sd = _carrier(den, dtype=jnp.float16, scale=np.float32(1.0))
+    _check(jnp.divide, (sn, sd), _deq(sn) / _deq(sd), RTOL_F16)
+
+
+def test_div_blocked_operands_renormalised_per_block():
+    """Blocks of very different magnitude keep their own resolution after the renormalisation."""
+    num = RNG.uniform(1.0, 2.0, (4, 8)).astype(np.float32)
+    den = RNG.uniform(1.0, 2.0, (4, 8)).astype(np.float32)
+    den[2:] *= 2.0**-16  # float16 quotient data would reach 2 / 2**-16 = 131072 > 65504 in these rows
+    sn = _carrier(num, dtype=jnp.float16, scale=np.asarray([[1.0], [2.0**-20], [1.0], [2.0**20]], np.float32))
+    sd = _carrier(den, dtype=jnp.float16, scale=np.asarray([[1.0], [1.0], [2.0**-10], [1.0]], np.float32))
+    ref = _deq(sn) / _deq(sd)
+    for name, wrap in MODES.items():
+        got = _deq(wrap(jsa.scalify(jnp.divide))(sn, sd))
+        np.testing.assert_allclose(got, ref, rtol=RTOL_F16, err_msg=name)
+
+
+def test_add_plain_runtime_operand_does_not_swamp_small_scale():
+    """Adam's ``b2 * zeros + (1 - b2) * g * g``: the plain zeros (a runtime array, scale 1 by convention)
+    set the common scale to 1 and the float16 data of the scaled term (scale 2**-30) flushed to 0."""
+    g = RNG.uniform(0.5, 2.0, (16, 8)).astype(np.float32)
+    sg = _carrier(g, dtype=jnp.float16, scale=np.float32(2.0**-30))
+    zeros = jnp.zeros((16, 8), jnp.float16)
+
+    def f(z, x):
+        return z + x
+
+    _check(f, (zeros, sg), _deq(sg), RTOL_F16)
+    # A large plain operand next to a small-scale one: float32 sum, re-quantized (no overflow).
+    big = jnp.full((16, 8), 6e4, jnp.float16)
+    sh = _carrier(g, dtype=jnp.float16, scale=np.float32(4.0))
+    _check(f, (big, sh), np.float32(6e4) + _deq(sh), RTOL_F16)
