@@ -48,13 +48,17 @@ def pow2(e):
     return bits_f32((e + F32_BIAS) << F32_MANT_BITS)
 
 
-def mul_pow2(x, e):
-    """``x * 2**e`` for integer ``e`` in [-127, 127] without a subnormal multiplier.
+def pow2_split(e):
+    """``(head, tail)`` with ``head * tail == 2**e`` for integer ``e`` in [-127, 127], both normal.
 
-    ``2**-127`` is subnormal and reads as zero on CPU, so that one case is applied as
-    ``(x * 2**-126) * 0.5``; both factors are normal and the product is exact wherever it is normal.
+    ``2**-127`` is subnormal and reads as zero on CPU, so that one case is split as
+    ``2**-126 * 0.5``; applying ``(x * head) * tail`` is exact wherever the result is normal.
     """
     e = jnp.asarray(e, jnp.int32)
-    head = pow2(jnp.maximum(e, -126))
-    tail = jnp.where(e < -126, jnp.float32(0.5), jnp.float32(1.0))
+    return pow2(jnp.maximum(e, -126)), jnp.where(e < -126, jnp.float32(0.5), jnp.float32(1.0))
+
+
+def mul_pow2(x, e):
+    """``x * 2**e`` for integer ``e`` in [-127, 127] without a subnormal multiplier."""
+    head, tail = pow2_split(e)
     return x * head * tail

@@ -157,14 +157,6 @@ class FloatElement:
             mag = jnp.where((c & mag_mask) == self.nan_code, 0x7FC00000, mag)
         return bits_f32(mag | ((c >> (self.bits - 1)) << 31))
 
-    def numpy_decode_table(self) -> np.ndarray:
-        """All code values decoded by ml_dtypes (an independent reference for tests)."""
-        mltype = getattr(ml_dtypes, self.name)
-        codes = np.arange(2**self.bits, dtype=np.uint8)
-        return codes.view(mltype).astype(np.float32) if self.bits == 8 else np.array(
-            [np.array(c, np.uint8).view(mltype).astype(np.float32) for c in codes]
-        )
-
 
 @attrs.frozen
 class IntElement:

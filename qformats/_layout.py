@@ -14,7 +14,6 @@ Rules in ``scalify`` reason about the block tuple alone, so they work for any la
 from __future__ import annotations
 
 import abc
-import math
 
 import attrs
 import jax.numpy as jnp
@@ -156,7 +155,3 @@ class Blocked(Layout):
 
     def describe(self):
         return f"blocks of {self.size} along axis {self.axis}"
-
-
-def block_count(shape, block) -> int:
-    return math.prod(grid_shape(shape, block))

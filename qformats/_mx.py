@@ -91,8 +91,7 @@ class MXFormat(ScaledFormat):
         nonfinite = ~(amax <= np.finfo(np.float32).max) | overflow
         byte = jnp.where(nonfinite, E8M0_NAN, e + 127).astype(jnp.uint8)
         # Block scales are applied as x * 2**-e, split so no factor is subnormal.
-        inv_head = _bits.pow2(jnp.clip(-e, -126, 127))
-        inv_tail = jnp.where(-e < -126, np.float32(0.5), np.float32(1))
+        inv_head, inv_tail = _bits.pow2_split(-e)
         v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
         data = self.element.encode(v)
         if self._packs:
@@ -112,20 +111,13 @@ class MXFormat(ScaledFormat):
         elems = self.decode(data)
         block = self.block_shape(elems.shape)
         b = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
-        head = _bits.bits_f32(jnp.maximum(b, 1) << _bits.F32_MANT_BITS)
+        head, tail = _bits.pow2_split(jnp.minimum(b, E8M0_NAN - 1) - 127)
         head = jnp.where(b == E8M0_NAN, np.float32(np.nan), head)
-        tail = jnp.where(b == 0, np.float32(0.5), np.float32(1))
         out = elems * _layout.expand(head, elems.shape, block) * _layout.expand(tail, elems.shape, block)
         return out.astype(dtype)
 
     def data_shape(self, shape):
-        if not self._packs:
-            return tuple(shape)
-        a = self.axis % len(shape)
-        return tuple(_packing.packed_length(n, self.element.bits) if i == a else n for i, n in enumerate(shape))
+        return _packing.packed_shape(shape, self.element.bits, self.axis) if self._packs else tuple(shape)
 
     def value_shape(self, data_shape):
-        if not self._packs:
-            return tuple(data_shape)
-        a = self.axis % len(data_shape)
-        return tuple(_packing.unpacked_length(n, self.element.bits) if i == a else n for i, n in enumerate(data_shape))
+        return _packing.unpacked_shape(data_shape, self.element.bits, self.axis) if self._packs else tuple(data_shape)

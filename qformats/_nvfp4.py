@@ -81,13 +81,7 @@ class NVFP4Format(ScaledFormat):
         return scale.tensor * scale.block.astype(jnp.float32)
 
     def data_shape(self, shape):
-        if not self.packed:
-            return tuple(shape)
-        a = self.axis % len(shape)
-        return tuple(n // 2 if i == a else n for i, n in enumerate(shape))
+        return _packing.packed_shape(shape, 4, self.axis) if self.packed else tuple(shape)
 
     def value_shape(self, data_shape):
-        if not self.packed:
-            return tuple(data_shape)
-        a = self.axis % len(data_shape)
-        return tuple(n * 2 if i == a else n for i, n in enumerate(data_shape))
+        return _packing.unpacked_shape(data_shape, 4, self.axis) if self.packed else tuple(data_shape)

@@ -84,6 +84,18 @@ def unpack(packed, bits: int, axis: int):
     raise ValueError(f"cannot unpack {bits}-bit codes; only 4 and 6 are supported")
 
 
+def packed_shape(shape, bits: int, axis: int) -> tuple[int, ...]:
+    """Shape of ``bits``-wide codes of logical ``shape`` once packed along ``axis``."""
+    a = axis % len(shape)
+    return tuple(packed_length(n, bits) if i == a else n for i, n in enumerate(shape))
+
+
+def unpacked_shape(data_shape, bits: int, axis: int) -> tuple[int, ...]:
+    """Inverse of :func:`packed_shape`."""
+    a = axis % len(data_shape)
+    return tuple(unpacked_length(n, bits) if i == a else n for i, n in enumerate(data_shape))
+
+
 def packed_length(n: int, bits: int) -> int:
     return n * bits // 8
 

@@ -276,13 +276,11 @@ def _all_to_all(eqn, x):
     axis_name, split, concat = prm["axis_name"], prm["split_axis"], prm["concat_axis"]
     groups, tiled = prm.get("axis_index_groups"), prm.get("tiled", False)
     n = _group_size(_axes(axis_name), groups)
-    data = lax.all_to_all(x.data, axis_name, split, concat, axis_index_groups=groups, tiled=tiled)
-    scale = _grid(x.scale, x.data.ndim)
-    refined = _refine(scale, split, n)
-    if refined is None:
+    refined = _refine(_grid(x.scale, x.data.ndim), split, n)
+    if refined is None:  # blocks straddle the split chunks: fold to one scale first
         x = fold(x)
         refined = _refine(_grid(x.scale, x.data.ndim), split, n)
-        data = lax.all_to_all(x.data, axis_name, split, concat, axis_index_groups=groups, tiled=tiled)
+    data = lax.all_to_all(x.data, axis_name, split, concat, axis_index_groups=groups, tiled=tiled)
     scale = lax.all_to_all(refined, axis_name, split, concat, axis_index_groups=groups, tiled=tiled)
     return ScaledArray(data, scale)
 

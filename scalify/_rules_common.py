@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import qformats as qf
 from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
 from scalify._jax_compat import bind_eqn, is_tracer
 from scalify._scaled_array import ScaledArray, block_of, expand_scale
@@ -102,14 +103,6 @@ def safe_scale(s):
     return jnp.where(jnp.isfinite(s) & (s > 0), s, jnp.ones_like(s))
 
 
-def requant(v, dtype) -> ScaledArray:
-    """Per-tensor carrier of a float32 value ``v``: scale = amax rounded to a power of two."""
-    v = jnp.asarray(v, F32)
-    amax = jnp.max(jnp.abs(v)) if v.size else jnp.ones((), F32)
-    s = safe_scale(pow2_round(safe_scale(amax)))
-    return ScaledArray((v * (1.0 / s)).astype(dtype), s)
-
-
 def renormalize(v, scale, dtype) -> ScaledArray:
     """Carrier of the float32 data ``v`` on the block-grid (or 0-d) ``scale``, renormalised per block.
 
@@ -124,22 +117,26 @@ def renormalize(v, scale, dtype) -> ScaledArray:
 
 
 def block_amax(v, grid_shape):
-    """Absolute max of the float32 ``v`` over each block of a rank-matched (or empty: per-tensor) grid."""
-    v = jnp.abs(jnp.asarray(v, F32))
+    """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid, NaN-propagating.
+
+    Delegates to :func:`qformats.block_amax`, the one block reduction of the project.
+    """
+    v = jnp.asarray(v, F32)
     if v.size == 0:
         return jnp.ones(grid_shape, F32)
     if not grid_shape or v.ndim == 0:
-        return jnp.max(v)
-    block = block_of(tuple(grid_shape), tuple(v.shape))
-    inter = [d for pair in zip(grid_shape, block, strict=True) for d in pair]
-    return jnp.max(v.reshape(inter), axis=tuple(range(1, 2 * v.ndim, 2)))
+        return qf.block_amax(v, v.shape).reshape(())
+    return qf.block_amax(v, block_of(tuple(grid_shape), tuple(v.shape)))
 
 
 def requant_blocks(v, grid_shape, dtype) -> ScaledArray:
     """Carrier of the float32 value ``v`` on a block grid: per block, scale = amax rounded to 2^k."""
-    v = jnp.asarray(v, F32)
-    s = safe_scale(pow2_round(safe_scale(block_amax(v, tuple(grid_shape)))))
-    return ScaledArray((v * expand_scale(1.0 / s, v.shape)).astype(dtype), s)
+    return renormalize(v, jnp.ones(tuple(grid_shape), F32), dtype)
+
+
+def requant(v, dtype) -> ScaledArray:
+    """Per-tensor carrier of a float32 value ``v``: scale = amax rounded to a power of two."""
+    return requant_blocks(v, (), dtype)
 
 
 def unit(v, dtype) -> ScaledArray:

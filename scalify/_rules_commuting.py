@@ -10,8 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import qformats as qf
-from scalify._config import pow2_round
 from scalify._jax_compat import bind_eqn, lax_primitive, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
@@ -21,8 +19,7 @@ from scalify._rules_common import (
     fold,
     full_resolution,
     per_tensor,
-    rescale,
-    safe_scale,
+    renormalize,
     structural,
 )
 from scalify._scaled_array import ScaledArray, expand_scale
@@ -76,10 +73,7 @@ def _convert(eqn, x):
         return _data_only(eqn, x)
     # Narrowing (float32 -> float16, say): the data may exceed the new range although the value
     # is fine. Renormalise each scale block by its amax rounded to a power of two (exact).
-    block = tuple(d // g for d, g in zip(x.data.shape, x.scale.shape, strict=True)) if x.scale.ndim else x.data.shape
-    amax = qf.block_amax(x.data, block).reshape(x.scale.shape) if x.data.size else jnp.ones(x.scale.shape, F32)
-    r = safe_scale(pow2_round(safe_scale(amax)))
-    return ScaledArray(rescale(x.data, 1.0 / r, new), x.scale * r)
+    return renormalize(x.data, x.scale, new)
 
 
 @register_rule(p.sign_p, "commuting", "sign(data) (scales are positive); plain output.")
@@ -205,29 +199,18 @@ def _reduce_max(eqn, x):
 
 
 @register_rule(
-    [p.select_and_scatter_add_p],
+    [p.select_and_scatter_add_p, p.select_and_gather_add_p],
     "commuting",
-    "max-pool backward: cotangent data scattered (scale kept); selection on operand data.",
+    "max-pool backward / JVP: cotangent (tangent) data moved, scale kept (per-tensor); selection on operand data.",
 )
-def _select_and_scatter_add(eqn, source, operand):
+def _max_pool_transport(eqn, moved, operand):
+    """Max pooling's derivatives move ``moved``'s elements to where ``operand`` had its maxima."""
     if isinstance(operand, ScaledArray):
-        operand = fold(operand).data if not per_tensor(operand) else operand.data
-    if not isinstance(source, ScaledArray):
-        return bind_eqn(eqn, [source, operand])[0]
-    source = fold(source)
-    return ScaledArray(bind_eqn(eqn, [source.data, operand])[0], source.scale)
-
-
-@register_rule(
-    [p.select_and_gather_add_p], "commuting", "max-pool JVP: tangent gathered (scale kept); selection on operand data."
-)
-def _select_and_gather_add(eqn, tangent, operand):
-    if isinstance(operand, ScaledArray):
-        operand = fold(operand).data if not per_tensor(operand) else operand.data
-    if not isinstance(tangent, ScaledArray):
-        return bind_eqn(eqn, [tangent, operand])[0]
-    tangent = fold(tangent)
-    return ScaledArray(bind_eqn(eqn, [tangent.data, operand])[0], tangent.scale)
+        operand = fold(operand).data  # the selection only compares, so one common scale is exact
+    if not isinstance(moved, ScaledArray):
+        return bind_eqn(eqn, [moved, operand])[0]
+    moved = fold(moved)
+    return ScaledArray(bind_eqn(eqn, [moved.data, operand])[0], moved.scale)
 
 
 _barrier = lax_primitive("optimization_barrier")
