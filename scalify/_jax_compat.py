@@ -112,3 +112,38 @@ def define_elementwise_primitive(name, impl, *, jvp=None):
 
     batching.primitive_batchers[prim] = batcher
     return prim
+
+
+# -- custom derivative rules of `custom_jvp_call` / `custom_vjp_call` equations -------------------
+def custom_jvp_jaxpr(eqn, tangent_zeros):
+    """``(jvp_jaxpr, consts, out_zeros)`` of a ``custom_jvp_call``'s rule, for the given zero tangents.
+
+    The jaxpr takes ``(*primals, *nonzero_tangents)`` (no const operands) and returns
+    ``(*primal_outs, *nonzero_out_tangents)``; ``out_zeros[i]`` says output ``i``'s tangent is zero.
+    """
+    return eqn.params["jvp_jaxpr_fun"].call_wrapped(*tangent_zeros)
+
+
+def custom_vjp_fwd_jaxpr(eqn, nonzeros):
+    """``(fwd_jaxpr, consts, res_count, input_fwds)`` of a ``custom_vjp_call``'s ``fwd`` rule.
+
+    The jaxpr takes the primals (no const operands) and returns ``(*residuals, *primal_outs)``, where
+    only ``res_count`` residuals are computed: ``input_fwds[i]`` is the index of the primal input
+    forwarded as residual ``i``, or None for a computed one.
+    """
+    fwd_jaxpr, consts = eqn.params["fwd_jaxpr_thunk"].call_wrapped(*nonzeros)
+    _, res_tree, input_fwds = eqn.params["out_trees"]()
+    res_count = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    return fwd_jaxpr, consts, res_count, list(input_fwds)
+
+
+def custom_vjp_bwd(eqn, residuals, cotangents, in_avals):
+    """Call a ``custom_vjp_call``'s ``bwd`` rule; symbolic zeros and ``None`` become zero arrays."""
+    outs = eqn.params["bwd"].call_wrapped(*residuals, *cotangents)
+    res = []
+    for c, aval in zip(outs, in_avals, strict=True):
+        if c is None or isinstance(c, (ad.Zero, jax.custom_derivatives.SymbolicZero)):
+            res.append(jax.numpy.zeros(aval.shape, aval.dtype))
+        else:
+            res.append(c)
+    return res

@@ -2,9 +2,10 @@
 
 * ``jit`` / ``closed_call``: re-emitted as a nested ``jax.jit`` of the interpreted body;
 * ``checkpoint`` (remat): re-emitted as ``jax.checkpoint`` (same policy) of the interpreted body;
-* ``custom_jvp_call`` / ``custom_vjp_call``: with plain operands they are bound unchanged (custom
-  rule kept); with scaled operands the primal body is interpreted (derivatives of the scalified
-  program then follow the interpreted primal);
+* ``custom_jvp_call`` / ``custom_vjp_call``: with plain operands they are bound unchanged; with
+  scaled operands they are re-emitted as ``jax.custom_jvp`` / ``jax.custom_vjp`` over the carrier
+  leaves, with the interpreted primal and the user's derivative rule (also interpreted), so
+  ``grad(scalify(f))`` keeps custom rules;
 * ``cond`` / ``while`` / ``scan``: re-emitted as ``lax.switch`` / ``lax.while_loop`` / ``lax.scan``
   over interpreted bodies. A loop-carried or branch output that is scaled anywhere is carried as a
   per-tensor carrier (data in the logical dtype, 0-d float32 scale) so every branch and iteration
@@ -17,15 +18,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scalify._config import get_config
-from scalify._interpreter import eval_closed, eval_jaxpr
+from scalify._interpreter import eval_closed, eval_jaxpr, scalify
 from scalify._jax_compat import (
     closed_call_p,
     cond_p,
     custom_jvp_call_p,
+    custom_jvp_jaxpr,
+    custom_vjp_bwd,
     custom_vjp_call_p,
+    custom_vjp_fwd_jaxpr,
     jit_p,
     remat_p,
     scan_p,
@@ -33,7 +38,7 @@ from scalify._jax_compat import (
 )
 from scalify._registry import register_rule
 from scalify._rules_common import F32, dequant, fold
-from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
+from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
 
 _JIT_CACHE: dict = {}
 
@@ -65,15 +70,182 @@ def _closed_call(eqn, *args):
     return eval_closed(eqn.params["call_jaxpr"], *args)
 
 
+# -- custom derivative rules ------------------------------------------------------------------------
+# The scalified call is re-emitted as a jax.custom_jvp / jax.custom_vjp over the flat carrier leaves,
+# so `grad(scalify(f))` uses the user's rule. A carrier leaf pair (d, s) stands for v = d * s:
+#   tangent      t_v  = t_d * s + d * t_s
+#   cotangent    ct_d = ct_v * s,  ct_s = sum over each block of ct_v * d
+# and a scaled output (d_o, s_o) has tangent (t_v / s_o, 0) and logical cotangent ct_v = ct_d / s_o:
+# the output scale is a piecewise-constant (power-of-two) function of the inputs, derivative zero.
+
+
+def _flatten_operands(args):
+    carriers = [to_carrier(a) if isinstance(a, ScaledArray) else a for a in args]
+    leaves, treedef = jax.tree.flatten(carriers)
+    return leaves, treedef
+
+
+def _carrier_outputs(outs):
+    return [to_carrier(o) if isinstance(o, ScaledArray) else o for o in outs]
+
+
+def _differentiable(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _logical_tangent(x, t):
+    """Tangent of the value of ``x`` from the tangents of its leaves."""
+    if not isinstance(x, ScaledArray):
+        return t
+    shape = x.data.shape
+    v = t.data.astype(F32) * expand_scale(x.scale, shape) + x.data.astype(F32) * expand_scale(t.scale, shape)
+    return v.astype(x.dtype)
+
+
+def _leaf_tangent(o, t):
+    """Tangent of output ``o``'s leaves for the value tangent ``t`` (the scale is held fixed)."""
+    t = dequant(t) if isinstance(t, ScaledArray) else t
+    if not isinstance(o, ScaledArray):
+        if not _differentiable(o):
+            return np.zeros(jnp.shape(o), jax.dtypes.float0)
+        return jnp.asarray(t).astype(jnp.result_type(o))
+    data = (jnp.asarray(t, F32) / expand_scale(o.scale, o.data.shape)).astype(o.data.dtype)
+    return ScaledArray(data, jnp.zeros_like(o.scale))
+
+
+def _value_cotangent(o, ct):
+    """Cotangent of output ``o``'s value from its leaves' cotangents (the scale is held fixed)."""
+    if not isinstance(o, ScaledArray):
+        return ct
+    return (ct.data.astype(F32) / expand_scale(o.scale, o.data.shape)).astype(o.dtype)
+
+
+def _block_sum(v, grid_shape):
+    """Sum of ``v`` over each block of a 0-d or rank-matched grid."""
+    if len(grid_shape) == 0:
+        return jnp.sum(v)
+    split = []
+    for n, g in zip(v.shape, grid_shape, strict=True):
+        split += [g, n // g]
+    return jnp.sum(v.reshape(split), axis=tuple(range(1, len(split), 2)))
+
+
+def _leaf_cotangent(x, ct):
+    """Cotangents of ``x``'s leaves for the value cotangent ``ct`` (None: a zero cotangent)."""
+    if not _differentiable(x.data if isinstance(x, ScaledArray) else x):
+        return None
+    ct = dequant(ct) if isinstance(ct, ScaledArray) else jnp.asarray(ct, F32)
+    if not isinstance(x, ScaledArray):
+        return ct.astype(jnp.result_type(x))
+    shape = x.data.shape
+    ct_d = (ct * expand_scale(x.scale, shape)).astype(x.data.dtype)
+    ct_s = _block_sum(ct * x.data.astype(F32), jnp.shape(x.scale)).reshape(jnp.shape(x.scale))
+    return ScaledArray(ct_d, ct_s.astype(x.scale.dtype))
+
+
+def _conform(o, like):
+    """``o`` with the type of ``like`` (plain or a carrier with the same scale grid)."""
+    if not isinstance(like, ScaledArray):
+        return dequant(o, like.dtype) if isinstance(o, ScaledArray) else o
+    if isinstance(o, ScaledArray):
+        o = to_carrier(o)
+        if o.scale.shape == like.scale.shape and o.data.dtype == like.data.dtype:
+            return o
+        o = dequant(o)
+    return ScaledArray(jnp.asarray(o).astype(like.data.dtype), jnp.ones(like.scale.shape, F32))
+
+
+def _custom_jvp(eqn, args):
+    closed, nc = eqn.params["call_jaxpr"], eqn.params["num_consts"]
+    leaves, treedef = _flatten_operands(args)
+
+    def body(*flat):
+        return _carrier_outputs(eval_closed(closed, *treedef.unflatten(flat)))
+
+    fn = jax.custom_jvp(body)
+
+    @fn.defjvp
+    def _(primal_leaves, tangent_leaves):
+        outs = fn(*primal_leaves)
+        xs = treedef.unflatten(list(primal_leaves))[nc:]
+        ts = treedef.unflatten(list(tangent_leaves))[nc:]
+        zeros = [not _differentiable(x.data if isinstance(x, ScaledArray) else x) for x in xs]
+        jaxpr, consts, out_zeros = custom_jvp_jaxpr(eqn, zeros)
+        nz = [_logical_tangent(x, t) for x, t, z in zip(xs, ts, zeros, strict=True) if not z]
+        res = eval_jaxpr(jaxpr, consts, *xs, *nz)
+        nz_out = iter(res[len(out_zeros) :])
+        tangents = [
+            _leaf_tangent(o, jnp.zeros(o.shape, o.dtype) if z else next(nz_out))
+            for o, z in zip(outs, out_zeros, strict=True)
+        ]
+        return outs, tangents
+
+    return fn(*leaves)
+
+
+def _custom_vjp(eqn, args):
+    closed, nc = eqn.params["call_jaxpr"], eqn.params["num_consts"]
+    leaves, treedef = _flatten_operands(args)
+
+    def body(*flat):
+        return _carrier_outputs(eval_closed(closed, *treedef.unflatten(flat)))
+
+    fn = jax.custom_vjp(body)
+
+    def fwd(*flat):
+        xs = treedef.unflatten(list(flat))
+        primals = xs[nc:]
+        jaxpr, consts, n_res, input_fwds = custom_vjp_fwd_jaxpr(eqn, [_differentiable(x) for x in primals])
+        outs = eval_jaxpr(jaxpr, consts, *primals)
+        computed = iter(outs[:n_res])
+        res = [next(computed) if f is None else primals[f] for f in input_fwds]
+        like = jax.eval_shape(body, *flat)
+        outs = [_conform(o, lk) for o, lk in zip(_carrier_outputs(outs[n_res:]), like, strict=True)]
+        return outs, (res, list(flat), outs)
+
+    def bwd(saved, cts):
+        res, flat, outs = saved
+        xs = treedef.unflatten(flat)
+        cts_v = [
+            (c.data.astype(F32) / expand_scale(o.scale, o.data.shape)).astype(o.dtype)
+            if isinstance(o, ScaledArray)
+            else c
+            for o, c in zip(outs, cts, strict=True)
+        ]
+        in_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs[nc:]]
+        user_bwd = scalify(lambda *a: custom_vjp_bwd(eqn, a[: len(res)], a[len(res) :], in_avals))
+        cts_in = user_bwd(*res, *cts_v)
+        leaf_cts = [None] * nc + [_leaf_cotangent(x, c) for x, c in zip(xs[nc:], cts_in, strict=True)]
+        flat_cts = []
+        for x, c in zip(xs, leaf_cts, strict=True):
+            if isinstance(x, ScaledArray):
+                flat_cts += [None, None] if c is None else [c.data, c.scale]
+            else:
+                flat_cts.append(c)
+        return tuple(flat_cts)
+
+    fn.defvjp(fwd, bwd)
+    return fn(*leaves)
+
+
 @register_rule(
-    [custom_jvp_call_p, custom_vjp_call_p],
+    [custom_jvp_call_p],
     "control",
-    "plain operands: bound unchanged (custom rule kept); scaled operands: primal body interpreted.",
+    "re-emitted as a jax.custom_jvp of the interpreted primal; the JVP rule is interpreted on scaled primals.",
     raw=True,
 )
-def _custom_call(eqn, *args):
-    closed = eqn.params["call_jaxpr"]
-    return eval_closed(closed, *args)
+def _custom_jvp_call(eqn, *args):
+    return _custom_jvp(eqn, args)
+
+
+@register_rule(
+    [custom_vjp_call_p],
+    "control",
+    "re-emitted as a jax.custom_vjp of the interpreted primal/fwd; bwd is scalified on the residuals.",
+    raw=True,
+)
+def _custom_vjp_call(eqn, *args):
+    return _custom_vjp(eqn, args)
 
 
 @register_rule([remat_p], "control", "jax.checkpoint (same policy, prevent_cse) of the interpreted body.", raw=True)

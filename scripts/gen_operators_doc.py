@@ -65,11 +65,15 @@ operands unconverted (so formats reach the nested body).
   `jax.nn.softmax`, `optax` internals, `scalify.ops.*_grad`) are already expanded in the program
   scalify interprets: they are kept exactly, and cotangents that depend on scaled values are scaled.
 * `grad(scalify(f))`: JAX differentiates the interpreted program with respect to the carrier's
-  `data` and `scale` leaves. A `custom_jvp_call` / `custom_vjp_call` whose operands are plain is bound
-  unchanged (its rule is kept); one that receives a scaled operand has its primal body interpreted,
-  and the derivative is that of the interpreted primal (for `relu`, `max(x, 0)`: 0.5 at exactly 0
-  instead of 0). Differentiate carrier arrays (`as_scaled_array(x, scale=...)`), not formatted ones:
-  the gradient of an fp8 `data` leaf is itself fp8.
+  `data` and `scale` leaves (a leaf pair stands for `v = data * scale`). A `custom_jvp_call` /
+  `custom_vjp_call` that receives a scaled operand is re-emitted as a `jax.custom_jvp` /
+  `jax.custom_vjp` over the carrier leaves: the primal body is interpreted, and the user's rule is
+  kept (the JVP rule and `bwd` are themselves interpreted, so scaled residuals stay scaled). Leaf
+  tangents map to value tangents as `t_v = t_data * scale + data * t_scale`; value cotangents map back
+  as `ct_data = ct_v * scale`, `ct_scale = sum over the block of ct_v * data`. An output's scale is
+  treated as a piecewise-constant function of the inputs (zero derivative). Differentiate carrier
+  arrays (`as_scaled_array(x, scale=...)`), not formatted ones: the gradient of an fp8 `data` leaf is
+  itself fp8.
 * `jit`, `checkpoint`, `cond`, `while_loop`, `scan` bodies are interpreted with the same rule table
   and re-emitted as the same construct, so the scalified program keeps its structure. A value that is
   scaled in any branch or iteration crosses the boundary as a per-tensor carrier.

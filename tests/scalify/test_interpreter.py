@@ -99,6 +99,81 @@ def test_custom_jvp_and_vjp_rules_kept_with_plain_operands():
     np.testing.assert_allclose(np.asarray(out), np.sin(np.asarray(sx)) + np.asarray(sx), rtol=1e-5, atol=1e-6)
 
 
+def _custom_pair():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 42.0 * t[0]))
+
+    @jax.custom_vjp
+    def g(x):
+        return x * 1.0
+
+    g.defvjp(lambda x: (x, None), lambda _, ct: (ct * 7.0,))
+    return f, g
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_grad_through_scalify_keeps_custom_rules(jit):
+    f, g = _custom_pair()
+    h = jsa.scalify(lambda v: f(v) + g(v))
+
+    def loss(x):
+        return jnp.sum(jsa.asarray(h(jsa.as_scaled_array(x, scale=np.float32(2.0)))))
+
+    grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+    # The true derivative would be cos(x) + 1; the custom rules say 42 + 7.
+    np.testing.assert_allclose(np.asarray(grad(X)), np.full((4, 32), 49.0), rtol=1e-6)
+
+
+def test_grad_with_respect_to_carrier_leaves_follows_the_chain_rule():
+    f, g = _custom_pair()
+    sx = jsa.as_scaled_array(X, scale=np.float32(4.0))
+    grads = jax.grad(lambda s: jnp.sum(jsa.asarray(jsa.scalify(lambda v: f(v) + g(v))(s))))(sx)
+    # v = data * scale: d/d data = 49 * scale, d/d scale = sum(49 * data).
+    np.testing.assert_allclose(np.asarray(grads.data), np.full((4, 32), 49.0 * 4.0), rtol=1e-6)
+    np.testing.assert_allclose(float(grads.scale), 49.0 * float(np.sum(np.asarray(sx.data))), rtol=1e-5)
+
+
+def test_grad_through_scalify_matches_plain_grad_with_jax_nn_rules():
+    # relu's custom JVP gives 0 at exactly 0 (max(x, 0) differentiated would give 0.5).
+    x = X.at[0, 0].set(0.0)
+    w = jnp.asarray(RNG.standard_normal((32, 8)), jnp.float32)
+
+    def model(x, w):
+        h = jax.nn.relu(x) + jax.nn.gelu(x) + jax.nn.silu(x)
+        return jnp.sum(jax.nn.log_softmax(h @ w) ** 2) + jax.nn.logsumexp(h)
+
+    def scaled_loss(x, w):
+        return jsa.asarray(jsa.scalify(model)(jsa.as_scaled_array(x, scale=np.float32(2.0)), w))
+
+    ref = jax.grad(model, argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(scaled_loss, argnums=(0, 1)))(x, w)
+    for r, o in zip(ref, got, strict=True):
+        # float32 arithmetic in a different order: relative 1e-5 of the largest gradient.
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+    assert float(got[0][0, 0]) == pytest.approx(float(ref[0][0, 0]), rel=1e-5)
+
+
+def test_custom_vjp_with_scaled_residuals_and_two_operands():
+    @jax.custom_vjp
+    def mul(x, y):
+        return x * y
+
+    mul.defvjp(lambda x, y: (x * y, (x, y)), lambda r, ct: (ct * r[1] * 3.0, jnp.sum(ct * r[0])))
+    c = np.float32(0.3)
+
+    def loss(x, y):
+        return jnp.sum(
+            jsa.asarray(jsa.scalify(lambda v, u: mul(v, jnp.sin(u)))(jsa.as_scaled_array(x, scale=np.float32(0.5)), y))
+        )
+
+    gx, gy = jax.grad(loss, argnums=(0, 1))(X, c)
+    np.testing.assert_allclose(np.asarray(gx), np.full((4, 32), 3.0 * np.sin(c)), rtol=1e-6)
+    np.testing.assert_allclose(float(gy), float(jnp.sum(X)) * np.cos(c), rtol=1e-5)
+
+
 def test_logsumexp_jit_finite_and_correct():
     x = jnp.asarray([1000.0, 1001.0, -5.0], jnp.float32)
     sx = jsa.as_scaled_array(x, scale=np.float32(512.0))
