@@ -5,12 +5,13 @@ Contractions:
 * no operand has a block boundary along a contracted axis (per-tensor, per-channel on a free axis):
   the scales factor out of the sum, ``out = dot(dA, dB) / r`` with scale ``grid(sA) x grid(sB) * r``
   where ``r`` is a power of two near ``sqrt(K)`` (jax-scalify's growth allowance);
-* both operands blocked along one contracted axis with the same number of blocks (the MX layout:
-  activations blocked on their last axis, weights blocked on their first): per-block products
-  ``sum_j sA_j * sB_j * dot(P_A_j, P_B_j)`` accumulated in float32, no dequantization, output a
-  per-tensor carrier (``ScalifyConfig.dot_output_format`` re-quantizes it);
+* both operands blocked along one contracted axis with the same number of blocks of at least 16
+  elements (the MX and NVFP4 layouts: activations blocked on their last axis, weights blocked on their
+  first): per-block products ``sum_j sA_j * sB_j * dot(P_A_j, P_B_j)`` accumulated in float32, no
+  dequantization, output a per-tensor carrier (``ScalifyConfig.dot_output_format`` re-quantizes it);
 * any other layout (a scale varying along the contracted axis of only one operand, mismatched
-  blocks): both operands are dequantized to float32, contracted, and re-quantized per-tensor.
+  blocks, blocks shorter than 16 such as two per-channel scales meeting on the contracted axis):
+  both operands are dequantized to float32, contracted, and re-quantized per-tensor.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def _dequant_dot(eqn, a, b):
     return _finish(out, eqn.outvars[0].aval.dtype)
 
 
+# Per-block products materialise one partial result per block (g times the output); below this block
+# length (e.g. per-channel scales meeting on a contracted axis: blocks of 1) dequantizing is cheaper.
+_MIN_PRODUCT_BLOCK = 16
+
+
 def _split_axis(x, axis, g):
     shape = list(x.shape)
     return x.reshape((*shape[:axis], g, shape[axis] // g, *shape[axis + 1 :]))
@@ -113,7 +119,7 @@ def _split_axis(x, axis, g):
     p.dot_general_p,
     "multiplicative",
     "unblocked contraction: dot(data)/2^k, scales multiplied (grid outer product) * 2^k; both blocked "
-    "along the contracted axis: per-block products in float32 -> per-tensor carrier; other layouts: "
+    "along the contracted axis (blocks >= 16): per-block products in float32 -> per-tensor carrier; other layouts: "
     "dequantize, float32 dot, per-tensor carrier.",
 )
 def _dot_general(eqn, a, b):
@@ -147,6 +153,8 @@ def _dot_general(eqn, a, b):
     if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
         return _dequant_dot(eqn, a, b)
     (i, j), g = blocked[0], ga.shape[blocked[0][0]]
+    if a.data.shape[i] // g < _MIN_PRODUCT_BLOCK:
+        return _dequant_dot(eqn, a, b)
     da, db = _split_axis(a.data, i, g), _split_axis(b.data, j, g)
     sa, sb = _split_axis(ga, i, g), _split_axis(gb, j, g)
     # Contracting indices: original positions shifted past the new block-count axis.

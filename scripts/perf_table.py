@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import math
+import platform
 import sys
 from pathlib import Path
 

@@ -150,3 +150,33 @@ def test_add_plain_runtime_operand_does_not_swamp_small_scale():
     big = jnp.full((16, 8), 6e4, jnp.float16)
     sh = _carrier(g, dtype=jnp.float16, scale=np.float32(4.0))
     _check(f, (big, sh), np.float32(6e4) + _deq(sh), RTOL_F16)
+
+
+def _largest_intermediate(fn, *args) -> int:
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return max(int(np.prod(v.aval.shape)) for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
+
+
+def test_per_channel_scales_meeting_on_the_contracted_axis_do_not_blow_up():
+    # Found in the int8 per-channel MLP benchmark (118x slower than plain JAX): two operands with one
+    # scale per element of the contracted axis were contracted as K per-block products, a (K, M, N)
+    # intermediate. The rule must dequantize instead; the result is the float32 dot.
+    a = jnp.asarray(RNG.standard_normal((64, 128)), jnp.float32)
+    b = jnp.asarray(RNG.standard_normal((96, 128)), jnp.float32)
+    sa, sb = jsa.as_scaled_array(a, fmt=qf.INT8_PER_CHANNEL), jsa.as_scaled_array(b, fmt=qf.INT8_PER_CHANNEL)
+    f = lambda x, y: x @ y.T
+    out = jsa.scalify(f)(sa, sb)
+    ref = f(_deq(sa), _deq(sb))
+    # float32 accumulation in another order, then a float32 carrier: a few ulps of the largest term.
+    np.testing.assert_allclose(_deq(out), ref, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(ref))))
+    assert _largest_intermediate(jsa.scalify(f), sa, sb) <= 4 * 96 * 128
+
+
+def test_mx_blocks_on_the_contracted_axis_still_use_per_block_products():
+    a = jnp.asarray(RNG.standard_normal((64, 128)), jnp.float32)
+    b = jnp.asarray(RNG.standard_normal((128, 96)), jnp.float32)
+    sa, sb = jsa.as_scaled_array(a, fmt=qf.MXFP8), jsa.as_scaled_array(b, fmt=qf.MXFP8.replace(axis=0))
+    jaxpr = jax.make_jaxpr(jsa.scalify(lambda x, y: x @ y))(sa, sb)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    # One batched dot over the 4 blocks of 32 (plus the tiny grid product): no dequantized operand.
+    assert any(e.params["dimension_numbers"][1][0] for e in dots)
