@@ -91,7 +91,7 @@ def pow2_round_up(x):
     bits = lax.bitcast_convert_type(x, jnp.int32)
     exact = (bits & _MANT_MASK) == 0
     up = (bits & _EXP_MASK) + np.int32(1 << 23)
-    return lax.bitcast_convert_type(jnp.where(exact, bits, up), jnp.float32)
+    return lax.bitcast_convert_type(lax.select(exact, bits, up), jnp.float32)
 
 
 def pow2_round(x, mode: Pow2RoundMode | None = None):

@@ -92,6 +92,16 @@ def _maybe_keep_format(rule, invals, outs):
     return res
 
 
+def _seal(x, sealed: dict):
+    """``isolate_scale(x)``, skipped for a scale an earlier rule already sealed and passed through
+    unchanged (reshape, transpose, neg, ...): fewer equations to trace and lower."""
+    if not isinstance(x, ScaledArray) or id(x.scale) in sealed:
+        return x
+    x = isolate_scale(x)
+    sealed[id(x.scale)] = x.scale  # the reference keeps the id from being reused
+    return x
+
+
 def eval_jaxpr(jaxpr, consts, *args):
     """Evaluate an open ``jaxpr`` on ScaledArrays and plain values with the rule table."""
     env = {}
@@ -108,6 +118,7 @@ def eval_jaxpr(jaxpr, consts, *args):
     for v, a in zip(jaxpr.invars, args, strict=True):
         write(v, a)
     keep = get_config().keep_format
+    sealed = {}
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if _needs_rule(eqn, invals):
@@ -118,7 +129,7 @@ def eval_jaxpr(jaxpr, consts, *args):
             outs = rule.fn(eqn, *args_)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            outs = [isolate_scale(o) for o in outs]
+            outs = [_seal(o, sealed) for o in outs]
             if keep:
                 outs = _maybe_keep_format(rule, invals, list(outs))
         else:

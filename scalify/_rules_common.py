@@ -6,11 +6,13 @@ block structure of a carrier is read from the shapes alone (``block = data.shape
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import qformats as qf
 from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
@@ -18,6 +20,29 @@ from scalify._jax_compat import bind_eqn, is_tracer
 from scalify._scaled_array import ScaledArray, block_of, expand_scale
 
 F32 = jnp.float32
+
+
+def staged(fn):
+    """Run the helper ``fn(..., mode=...)`` as a nested ``jax.jit``, the config's rounding mode static.
+
+    Rules call a few scale helpers (combine, rescale, renormalise) at every application. Inlined,
+    their equations are traced and lowered again each time; a nested jit is traced once per
+    signature and lowered once per program, which is most of scalify's trace-and-lower price.
+    ``Pow2RoundMode.STOCHASTIC`` draws a fresh key per call, so it must not be cached: inlined.
+    Other arguments named in ``static`` (dtypes, grid shapes) are static too.
+    """
+    static = ("mode", "dtype", "grid_shape")
+    params = fn.__code__.co_varnames[: fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    jitted = jax.jit(fn, static_argnames=tuple(n for n in static if n in params))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        mode = get_config().rounding_mode
+        if mode == Pow2RoundMode.STOCHASTIC:
+            return fn(*args, mode=mode, **kwargs)
+        return jitted(*args, mode=mode, **kwargs)
+
+    return wrapper
 
 
 def is_scaled(x) -> bool:
@@ -100,10 +125,16 @@ def dequant(x, dtype=F32):
 
 def safe_scale(s):
     """Replace zero / non-finite scales by 1 (a tensor of zeros keeps scale 1)."""
-    return jnp.where(jnp.isfinite(s) & (s > 0), s, jnp.ones_like(s))
+    s = jnp.asarray(s, F32)
+    return lax.select(lax.is_finite(s) & (s > 0), s, lax.full_like(s, 1.0))
 
 
 def renormalize(v, scale, dtype) -> ScaledArray:
+    return ScaledArray(*_renormalize(v, scale, dtype=np.dtype(dtype)))
+
+
+@staged
+def _renormalize(v, scale, *, dtype, mode):
     """Carrier of the float32 data ``v`` on the block-grid (or 0-d) ``scale``, renormalised per block.
 
     Each block's data is divided by its absolute max rounded to a power of two (moved into the
@@ -112,8 +143,8 @@ def renormalize(v, scale, dtype) -> ScaledArray:
     v = jnp.asarray(v, F32)
     scale = jnp.asarray(scale, F32)
     grid = () if v.ndim == 0 else tuple(scale.shape)
-    r = safe_scale(pow2_round(safe_scale(block_amax(v, grid))))
-    return ScaledArray((v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r)
+    r = safe_scale(pow2_round(safe_scale(block_amax(v, grid)), mode))
+    return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r
 
 
 def block_amax(v, grid_shape):
@@ -147,6 +178,12 @@ def unit(v, dtype) -> ScaledArray:
 def rescale(data, ratio, dtype=None):
     """``data * ratio`` computed in float32 and cast back (``ratio`` is a 0-d or grid scale)."""
     dtype = data.dtype if dtype is None else dtype
+    return _rescale(data, ratio, dtype=np.dtype(dtype))
+
+
+@staged
+def _rescale(data, ratio, *, dtype, mode):
+    del mode
     return (data.astype(F32) * expand_scale(ratio, data.shape)).astype(dtype)
 
 
@@ -169,6 +206,11 @@ def _grid_shapes_compatible(xs):
 
 
 def combine_l2(scales):
+    return _combine_l2(tuple(scales))
+
+
+@staged
+def _combine_l2(scales, *, mode):
     """``sqrt(sum(s**2))`` rounded to a power of two, without squaring the scales themselves.
 
     The scales are normalised by their maximum first: squaring a raw scale leaves float32's range
@@ -177,10 +219,10 @@ def combine_l2(scales):
     into one constant that overflows while the remaining factor underflows (0 * inf = NaN).
     """
     if len(scales) == 1:
-        return pow2_round(jnp.asarray(scales[0], F32))
+        return pow2_round(jnp.asarray(scales[0], F32), mode)
     m = safe_scale(combine_max(scales))
-    s2 = sum(jnp.square(s / m) for s in scales)
-    return pow2_round(jnp.sqrt(s2) * m)
+    s2 = functools.reduce(jnp.add, [jnp.square(s / m) for s in scales])
+    return pow2_round(jnp.sqrt(s2) * m, mode)
 
 
 def combine_max(scales):
