@@ -24,6 +24,7 @@ from scalify._rules_common import (
     promote,
     requant_blocks,
     sqrt_rescale,
+    times,
 )
 from scalify._scaled_array import ScaledArray, block_of
 
@@ -70,7 +71,7 @@ def _reduce_sum(eqn, x):
         x = fold(x)
     (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
     scale = x.scale if per_tensor(x) else jnp.squeeze(x.scale, axis=axes)
-    return ScaledArray(data, scale * r)
+    return ScaledArray(data, times(scale, r))
 
 
 @register_rule(
@@ -84,7 +85,7 @@ def _cumsum(eqn, x):
     if not per_tensor(x) and x.scale.shape[axis] != 1:
         x = fold(x)
     (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
-    return ScaledArray(data, x.scale * r)
+    return ScaledArray(data, times(x.scale, r))
 
 
 @register_rule(
@@ -96,7 +97,7 @@ def _reduce_window_sum(eqn, x):
     x = fold(x)
     r = sqrt_rescale(math.prod(eqn.params["window_dimensions"]))
     (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
-    return ScaledArray(data, x.scale * r)
+    return ScaledArray(data, times(x.scale, r))
 
 
 @register_rule(

@@ -275,6 +275,11 @@ def pow2_ceil_np(x: float) -> float:
     return pow2_round_np(x, Pow2RoundMode.UP)
 
 
+def times(scale, r: float):
+    """``scale * r`` for a static ``r``; no equation when ``r == 1``."""
+    return scale if r == 1.0 else scale * r
+
+
 def sqrt_rescale(n: int) -> float:
     """Power of two near ``sqrt(n)`` (rounded down): the growth allowance of an n-term sum."""
     return pow2_round_np(math.sqrt(max(n, 1)), Pow2RoundMode.DOWN)

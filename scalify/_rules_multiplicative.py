@@ -35,6 +35,7 @@ from scalify._rules_common import (
     requant,
     sqrt_rescale,
     static_scalar,
+    times,
 )
 from scalify._scaled_array import ScaledArray, expand_scale
 
@@ -132,7 +133,7 @@ def _dot_general(eqn, a, b):
         (data,) = bind_eqn(eqn, [a.data, b.data])
         if r != 1.0:
             data = data * jnp.asarray(1.0 / r, data.dtype)
-        return _output_format(ScaledArray(data, a.scale * b.scale * r), out_dtype)
+        return _output_format(ScaledArray(data, times(a.scale * b.scale, r)), out_dtype)
     ga, gb = _grid(a), _grid(b)
     # Batch grids must agree (or broadcast from 1).
     bshape_a, bshape_b = list(ga.shape), list(gb.shape)
@@ -148,7 +149,7 @@ def _dot_general(eqn, a, b):
         (data,) = bind_eqn(eqn, [a.data, b.data])
         if r != 1.0:
             data = data * jnp.asarray(1.0 / r, data.dtype)
-        scale = lax.dot_general_p.bind(ga, gb, **grid_params) * r
+        scale = times(lax.dot_general_p.bind(ga, gb, **grid_params), r)
         return _output_format(ScaledArray(data, scale), out_dtype)
     if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
         return _dequant_dot(eqn, a, b)
@@ -181,4 +182,4 @@ def _conv(eqn, lhs, rhs):
     (data,) = bind_eqn(eqn, [lhs.data, rhs.data])
     if r != 1.0:
         data = data * jnp.asarray(1.0 / r, data.dtype)
-    return ScaledArray(data, lhs.scale * rhs.scale * r)
+    return ScaledArray(data, times(lhs.scale * rhs.scale, r))

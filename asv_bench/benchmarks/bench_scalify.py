@@ -11,6 +11,7 @@ or when scalify lacks a rule the model needs for that format.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -163,3 +164,85 @@ class TransformerBlockFwdBwd(_ScalifyModel):
         import jax.numpy as jnp
 
         return (jnp.asarray(make_data("gaussian", (BATCH, D_MODEL), 22)),)
+
+
+ISSUE_MLP_DIMS = (32, 64, 64, 10) if SMALL else (784, 1024, 1024, 10)
+ISSUE_MLP_BATCH = 16 if SMALL else 256
+
+
+def classifier_step(params, x, y):
+    """Softmax cross-entropy MLP classifier, forward + backward + SGD, in the dtype of ``params``."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(params):
+        h = x
+        for i, (w, b) in enumerate(params):
+            h = h @ w + b
+            if i < len(params) - 1:
+                h = jax.nn.relu(h)
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(h) * y, axis=-1))
+
+    g = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, d: p - jnp.asarray(0.01, p.dtype) * d, params, g)
+
+
+class Float16MLPStep:
+    """The scalify issue's target: MLP 784-1024-1024-10, batch 256, float16 data with float32
+    per-tensor scales, against the same step on plain float16 arrays (no format parameter)."""
+
+    timeout = 300
+
+    def setup(self):
+        import jax
+        import jax.numpy as jnp
+
+        scalify, as_scaled_array = scalify_or_skip()
+        dims = ISSUE_MLP_DIMS
+        rng = np.random.default_rng(0)
+        params = [
+            (jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float16), jnp.zeros((b,), jnp.float16))
+            for a, b in itertools.pairwise(dims)
+        ]
+        x = jnp.asarray(rng.standard_normal((ISSUE_MLP_BATCH, dims[0])), jnp.float16)
+        y = jax.nn.one_hot(rng.integers(0, dims[-1], ISSUE_MLP_BATCH), dims[-1], dtype=jnp.float16)
+        self.plain_args = (params, x, y)
+        self.scaled_args = (
+            as_scaled_array(params, scale=np.float32(1.0)),
+            as_scaled_array(x, scale=np.float32(1.0)),
+            y,
+        )
+        self._make_plain = lambda: lambda *a: classifier_step(*a)
+        self._make_scaled = lambda: lambda *a: scalify(classifier_step)(*a)
+        self.plain = jax.jit(self._make_plain())
+        self.scaled = jax.jit(self._make_scaled())
+        block(self.plain(*self.plain_args))
+        block(self.scaled(*self.scaled_args))
+
+    def time_plain(self):
+        block(self.plain(*self.plain_args))
+
+    def time_scalified(self):
+        block(self.scaled(*self.scaled_args))
+
+    def track_ratio(self):
+        return interleaved_ratio(self.scaled, self.scaled_args, self.plain, self.plain_args, 41)
+
+    def track_trace_lower_ratio(self):
+        return _interleaved_trace_lower_ratio(self._make_scaled, self.scaled_args, self._make_plain, self.plain_args)
+
+    track_ratio.unit = track_trace_lower_ratio.unit = "ratio"
+
+
+def _interleaved_trace_lower_ratio(make_a, args_a, make_b, args_b, repeats=1 if SMALL else 15):
+    """Median trace+lower time of fresh ``make_a()`` over fresh ``make_b()``, interleaved."""
+    import jax
+
+    t_a, t_b = [], []
+    for _ in range(repeats):
+        for make, args, acc in ((make_a, args_a, t_a), (make_b, args_b, t_b)):
+            fn = make()  # a fresh function: nothing cached
+            t0 = time.perf_counter()
+            jax.jit(fn).lower(*args)
+            acc.append(time.perf_counter() - t0)
+    return float(np.median(t_a) / np.median(t_b))
