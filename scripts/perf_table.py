@@ -6,7 +6,9 @@
 
 Reads the ``track_*_ratio``, ``track_bits_per_element`` and ``track_sqnr_db`` results of one asv
 results file and replaces the text between ``<!-- perf-table:start -->`` and
-``<!-- perf-table:end -->`` in ``docs/performance.md`` (``--print`` writes to stdout instead).
+``<!-- perf-table:end -->`` (formats), and between ``<!-- scalify-table:start -->`` and
+``<!-- scalify-table:end -->`` (models under scalify), in ``docs/performance.md`` (``--print``
+writes to stdout instead).
 Every number comes from the results file; nothing is typed by hand.
 """
 
@@ -23,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "asv_bench" / "results"
 DOC = ROOT / "docs" / "performance.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+SCALIFY_START, SCALIFY_END = "<!-- scalify-table:start -->", "<!-- scalify-table:end -->"
+# Targets from the scalify issue, for its float16 MLP: (step ratio, trace+lower ratio).
+SCALIFY_TARGETS = (1.03, 2.0)
 
 # Targets from issue 5 (ratio to x * 2 under jit, CPU, 2048x2048 float32): (quantize, dequantize).
 TARGETS = {
@@ -122,6 +127,42 @@ def table(results: dict, header: dict, source: Path) -> str:
     return "\n".join(lines)
 
 
+def scalify_table(results: dict) -> str:
+    """Models under scalify against the same program in plain JAX (ratios, lower is better)."""
+    f16_step = find(results, "Float16MLPStep.track_ratio").get(())
+    f16_trace = find(results, "Float16MLPStep.track_trace_lower_ratio").get(())
+    ts, tt = SCALIFY_TARGETS
+    lines = [
+        "The scalify issue's target, MLP 784-1024-1024-10, batch 256, float16 data with float32 per-tensor "
+        "scales, forward + backward + SGD (`bench_scalify.Float16MLPStep`): step "
+        f"**{fmt_num(f16_step, 3)}**{verdict(f16_step, ts)} (target {ts}), trace+lower "
+        f"**{fmt_num(f16_trace)}**{verdict(f16_trace, tt)} (target {tt}).",
+        "",
+        "Per format (`bench_scalify`, smaller models with float32 logical dtype; parameters and inputs in "
+        "the format; the baseline is the same step on plain float32 arrays):",
+        "",
+        "| format | MLP step | MLP trace+lower | transformer block fwd+bwd | transformer trace+lower |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    cols = [
+        find(results, f"{model}.track{kind}")
+        for model in ("MLPTrainStep", "TransformerBlockFwdBwd")
+        for kind in ("_ratio", "_trace_lower_ratio")
+    ]
+    formats = list(dict.fromkeys(k[0] for c in cols for k in c))
+    for f in formats:
+        lines.append(f"| {f} | " + " | ".join(fmt_num(c.get((f,))) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _replace(doc: str, start: str, end: str, text: str, path: Path) -> str:
+    if start not in doc or end not in doc:
+        raise SystemExit(f"{path} has no {start} ... {end} markers")
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{text}\n{end}{tail}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, help="asv results JSON (default: the newest one)")
@@ -131,15 +172,13 @@ def main(argv=None) -> int:
     path = args.results or newest_results_file()
     results, header = load(path)
     text = table(results, header, path.resolve())
+    scalify_text = scalify_table(results)
     if args.print:
-        print(text)
+        print(text, scalify_text, sep="\n\n")
         return 0
-    doc = args.doc.read_text()
-    if START not in doc or END not in doc:
-        raise SystemExit(f"{args.doc} has no {START} ... {END} markers")
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    args.doc.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    doc = _replace(args.doc.read_text(), START, END, text, args.doc)
+    doc = _replace(doc, SCALIFY_START, SCALIFY_END, scalify_text, args.doc)
+    args.doc.write_text(doc)
     print(f"wrote the results table of {path.name} into {args.doc}")
     return 0
 
