@@ -155,13 +155,19 @@ def _conform(o, like):
     return ScaledArray(jnp.asarray(o).astype(like.data.dtype), jnp.ones(like.scale.shape, F32))
 
 
-def _custom_jvp(eqn, args):
-    closed, nc = eqn.params["call_jaxpr"], eqn.params["num_consts"]
+def _flat_primal(eqn, args):
+    """``(leaves, treedef, body)``: the operands' carrier leaves and the interpreted primal on them."""
     leaves, treedef = _flatten_operands(args)
 
     def body(*flat):
-        return _carrier_outputs(eval_closed(closed, *treedef.unflatten(flat)))
+        return _carrier_outputs(eval_closed(eqn.params["call_jaxpr"], *treedef.unflatten(flat)))
 
+    return leaves, treedef, body
+
+
+def _custom_jvp(eqn, args):
+    nc = eqn.params["num_consts"]
+    leaves, treedef, body = _flat_primal(eqn, args)
     fn = jax.custom_jvp(body)
 
     @fn.defjvp
@@ -184,12 +190,8 @@ def _custom_jvp(eqn, args):
 
 
 def _custom_vjp(eqn, args):
-    closed, nc = eqn.params["call_jaxpr"], eqn.params["num_consts"]
-    leaves, treedef = _flatten_operands(args)
-
-    def body(*flat):
-        return _carrier_outputs(eval_closed(closed, *treedef.unflatten(flat)))
-
+    nc = eqn.params["num_consts"]
+    leaves, treedef, body = _flat_primal(eqn, args)
     fn = jax.custom_vjp(body)
 
     def fwd(*flat):

@@ -78,27 +78,6 @@ def test_vmap_both_orders():
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5)
 
 
-def test_custom_jvp_and_vjp_rules_kept_with_plain_operands():
-    @jax.custom_jvp
-    def f(x):
-        return jnp.sin(x)
-
-    f.defjvp(lambda p, t: (f(p[0]), 42.0 * t[0]))
-
-    @jax.custom_vjp
-    def g(x):
-        return x * 1.0
-
-    g.defvjp(lambda x: (x, None), lambda _, ct: (ct * 7.0,))
-
-    sx = make_scaled(X, None)
-    grads = jsa.scalify(jax.grad(lambda v: jnp.sum(f(v) + g(v))))(sx)
-    np.testing.assert_allclose(np.asarray(grads), np.full((4, 32), 49.0), rtol=1e-6)
-    # Under scalify with scaled operands: the primal bodies are interpreted.
-    out = jsa.scalify(lambda v: f(v) + g(v))(sx)
-    np.testing.assert_allclose(np.asarray(out), np.sin(np.asarray(sx)) + np.asarray(sx), rtol=1e-5, atol=1e-6)
-
-
 def _custom_pair():
     @jax.custom_jvp
     def f(x):
@@ -112,6 +91,16 @@ def _custom_pair():
 
     g.defvjp(lambda x: (x, None), lambda _, ct: (ct * 7.0,))
     return f, g
+
+
+def test_custom_jvp_and_vjp_rules_kept_with_plain_operands():
+    f, g = _custom_pair()
+    sx = make_scaled(X, None)
+    grads = jsa.scalify(jax.grad(lambda v: jnp.sum(f(v) + g(v))))(sx)
+    np.testing.assert_allclose(np.asarray(grads), np.full((4, 32), 49.0), rtol=1e-6)
+    # Under scalify with scaled operands: the primal bodies are interpreted.
+    out = jsa.scalify(lambda v: f(v) + g(v))(sx)
+    np.testing.assert_allclose(np.asarray(out), np.sin(np.asarray(sx)) + np.asarray(sx), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
