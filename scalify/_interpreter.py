@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from scalify._config import get_config
-from scalify._jax_compat import DropVar, Literal, bind_eqn, sub_jaxprs
+from scalify._jax_compat import DropVar, Literal, bind_eqn, logical_aval, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import isolate_scale
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
@@ -145,7 +145,7 @@ def eval_closed(closed, *args):
 
 def _abstract(x):
     if isinstance(x, ScaledArray):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return logical_aval(x.shape, x.dtype, (x.data, x.scale))
     return x
 
 

@@ -147,3 +147,27 @@ def custom_vjp_bwd(eqn, residuals, cotangents, in_avals):
         else:
             res.append(c)
     return res
+
+
+def logical_aval(shape, dtype, leaves):
+    """``ShapeDtypeStruct(shape, dtype)`` carrying the shard_map varying axes of ``leaves``.
+
+    Inside ``shard_map`` (``check_vma=True``) a value's type records the mesh axes it varies over;
+    tracing a ScaledArray as a bare shape would lose them, and JAX would then not insert the
+    ``pvary`` casts that binary operations between varying and replicated operands need.
+    """
+    axes, aval = frozenset(), None
+    for leaf in leaves:
+        mat = getattr(jax.typeof(leaf), "manual_axis_type", None)
+        if mat is not None and mat.varying:
+            axes |= frozenset(mat.varying)
+            aval = aval or jax.typeof(leaf)
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat = aval.manual_axis_type
+    return jax.ShapeDtypeStruct(
+        shape,
+        dtype,
+        sharding=jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()),
+        manual_axis_type=type(mat)(varying=axes, unreduced=mat.unreduced, reduced=mat.reduced),
+    )

@@ -97,6 +97,21 @@ def _linear_index(axes):
     return lax.axis_index(axes if len(axes) > 1 else axes[0])
 
 
+def _group_position(axes, groups):
+    """This shard's position within its ``axis_index_groups`` group (its linear index without groups).
+
+    With groups, a scattering collective hands the ``k``-th chunk to the ``k``-th member of each
+    group as the group is listed (``[[0, 2], [3, 1]]``: shard 3 gets chunk 0, shard 1 chunk 1)."""
+    idx = _linear_index(axes)
+    if not groups:
+        return idx
+    pos = np.zeros(sum(len(g) for g in groups), np.int32)
+    for g in groups:
+        for k, member in enumerate(g):
+            pos[member] = k
+    return jnp.asarray(pos)[idx]
+
+
 def _outs(eqn, outs):
     return outs if eqn.primitive.multiple_results else outs[0]
 
@@ -311,9 +326,7 @@ def _psum_scatter(eqn, x):
     g = scale.shape[dim]
     if g == 1:
         return ScaledArray(out, scale if tiled else jnp.squeeze(scale, dim))
-    if groups:
-        raise NotImplementedError("psum_scatter of a block-scaled value with axis_index_groups")
-    idx = _linear_index(axes)
+    idx = _group_position(axes, groups)
     size = g // n
     piece = lax.dynamic_slice_in_dim(scale, idx * size, size, axis=dim)
     return ScaledArray(out, piece if tiled else jnp.squeeze(piece, dim))

@@ -101,6 +101,26 @@ def test_collectives_with_vma_checking(name):
     np.testing.assert_allclose(np.asarray(run(scaled)), np.asarray(run(plain)), rtol=1e-6, atol=1e-6 * np.abs(x).max())
 
 
+@pytest.mark.parametrize("fmt_name", ["carrier", "mxfp8"])
+def test_arithmetic_with_replicated_operands_under_vma_checking(fmt_name):
+    """A varying scaled value meeting constants and replicated arrays: scalify traces its function on
+    avals that keep shard_map's varying axes, so JAX inserts the pvary casts the operations need."""
+    mesh = mesh_2x4()
+    x = _input()
+    w = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)  # replicated
+    f = lambda a, b: (a * 2.0 + b) / 3.0 - jnp.mean(a, axis=-1, keepdims=True)
+
+    def scaled(v, b):
+        return jsa.scalify(f)(_quantize(v, FORMATS[fmt_name]), b).to_array(jnp.float32)
+
+    def plain(v, b):
+        return f(_quantize(v, FORMATS[fmt_name]).to_array(jnp.float32), b)
+
+    run = lambda g: jax.jit(jax.shard_map(g, mesh=mesh, in_specs=(ROWS, P()), out_specs=ROWS))(x, w)
+    # float32 carriers with power-of-two scales: a few ulps of the largest value.
+    np.testing.assert_allclose(np.asarray(run(scaled)), np.asarray(run(plain)), rtol=1e-6, atol=1e-6 * np.abs(x).max())
+
+
 _BYTES = {"u8": 1, "s8": 1, "pred": 1, "f16": 2, "bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
 
 
@@ -144,3 +164,39 @@ def test_quantized_all_gather_moves_mxfp8_bytes():
     print(f"all-gather bytes/element: MXFP8 {mx_bytes / n:.4f}, float32 carrier {f32_bytes / n:.4f}")
     assert mx_bytes / n == pytest.approx(1 + 1 / 32, abs=1e-3)
     assert f32_bytes / n == pytest.approx(4.0, abs=1e-3)
+
+
+# Groups over "m" listed out of order: the k-th member of a group receives the k-th chunk.
+GROUPS = [[0, 2], [3, 1]]
+
+
+def _block_grid(v):
+    """A carrier whose scale is a (2, 4) block grid (blocks of 1 x 16), per-shard and data-dependent."""
+    amax = jnp.max(jnp.abs(v.reshape(2, 4, 16)), axis=-1)
+    return jsa.as_scaled_array(v, scale=jnp.maximum(amax, np.float32(1e-30)))
+
+
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
+@pytest.mark.parametrize("make", [lambda v: jsa.as_scaled_array(v, fmt=qf.MXFP8), _block_grid], ids=["mxfp8", "grid"])
+def test_psum_scatter_of_block_scaled_value_with_axis_index_groups(make, tiled):
+    """Each shard keeps the scale blocks of the chunk its position in its group receives."""
+    mesh = mesh_2x4()
+    x = _input()
+    # per shard (2, 64): tiled scatters the 64 columns (2 MX blocks, 4 grid blocks) into 2 chunks;
+    # untiled scatters the 2 rows (the scattered axis must have the group's size)
+    dim = 1 if tiled else 0
+    coll = lambda v: jax.lax.psum_scatter(v, "m", scatter_dimension=dim, axis_index_groups=GROUPS, tiled=tiled)
+
+    def scaled(v):
+        out = jsa.scalify(coll)(make(v))
+        assert isinstance(out, jsa.ScaledArray) and jnp.ndim(out.scale) > 0  # the block-scaled path
+        return out.to_array(jnp.float32)
+
+    def plain(v):
+        return coll(make(v).to_array(jnp.float32))
+
+    out_spec = P(("d", "m"), None) if tiled else P(("d", "m"))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ROWS, out_specs=out_spec, check_vma=False))(x)
+    got, want = np.asarray(run(scaled)), np.asarray(run(plain))
+    # as above: power-of-two rescaling is exact, the sum of 2 (pre-scaled by 1/2) in another order
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(want))))
