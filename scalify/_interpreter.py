@@ -145,7 +145,7 @@ def eval_closed(closed, *args):
 
 def _abstract(x):
     if isinstance(x, ScaledArray):
-        return logical_aval(x.shape, x.dtype, (x.data, x.scale))
+        return logical_aval(x.shape, x.dtype, jax.tree.leaves((x.data, x.scale)))
     return x
 
 

@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import qformats as qf
 from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
 from scalify._jax_compat import bind_eqn, is_tracer
-from scalify._scaled_array import ScaledArray, block_of, expand_scale
+from scalify._scaled_array import ScaledArray, expand_scale
 
 F32 = jnp.float32
 
@@ -148,16 +147,27 @@ def _renormalize(v, scale, *, dtype, mode):
 
 
 def block_amax(v, grid_shape):
-    """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid, NaN-propagating.
+    """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid.
 
-    Delegates to :func:`qformats.block_amax`, the one block reduction of the project.
+    One plain float reduction. Unlike :func:`qformats.block_amax` it need not propagate NaN: the
+    result only picks a power of two to move into the scale, a NaN element stays NaN in the data,
+    and :func:`safe_scale` turns a NaN amax into 1. (qformats needs the NaN-exact reduction because
+    a NaN must reach the encoded scale; that costs a second pass and a conditional.)
     """
-    v = jnp.asarray(v, F32)
+    v = jnp.abs(jnp.asarray(v, F32))
     if v.size == 0:
         return jnp.ones(grid_shape, F32)
     if not grid_shape or v.ndim == 0:
-        return qf.block_amax(v, v.shape).reshape(())
-    return qf.block_amax(v, block_of(tuple(grid_shape), tuple(v.shape)))
+        return jnp.max(v)
+    return block_reduce(jnp.max, v, grid_shape)
+
+
+def block_reduce(reduce, v, grid_shape):
+    """``reduce`` over each block of a rank-matched grid: ``v`` split as (g0, b0, g1, b1, ...)."""
+    split = []
+    for n, g in zip(v.shape, grid_shape, strict=True):
+        split += [g, n // g]
+    return reduce(v.reshape(split), axis=tuple(range(1, len(split), 2)))
 
 
 def requant_blocks(v, grid_shape, dtype) -> ScaledArray:

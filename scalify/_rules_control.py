@@ -37,7 +37,7 @@ from scalify._jax_compat import (
     while_p,
 )
 from scalify._registry import register_rule
-from scalify._rules_common import F32, dequant, fold
+from scalify._rules_common import F32, block_reduce, dequant, fold
 from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
 
 _JIT_CACHE: dict = {}
@@ -120,16 +120,6 @@ def _value_cotangent(o, ct):
     return (ct.data.astype(F32) / expand_scale(o.scale, o.data.shape)).astype(o.dtype)
 
 
-def _block_sum(v, grid_shape):
-    """Sum of ``v`` over each block of a 0-d or rank-matched grid."""
-    if len(grid_shape) == 0:
-        return jnp.sum(v)
-    split = []
-    for n, g in zip(v.shape, grid_shape, strict=True):
-        split += [g, n // g]
-    return jnp.sum(v.reshape(split), axis=tuple(range(1, len(split), 2)))
-
-
 def _leaf_cotangent(x, ct):
     """Cotangents of ``x``'s leaves for the value cotangent ``ct`` (None: a zero cotangent)."""
     if not _differentiable(x.data if isinstance(x, ScaledArray) else x):
@@ -139,7 +129,8 @@ def _leaf_cotangent(x, ct):
         return ct.astype(jnp.result_type(x))
     shape = x.data.shape
     ct_d = (ct * expand_scale(x.scale, shape)).astype(x.data.dtype)
-    ct_s = _block_sum(ct * x.data.astype(F32), jnp.shape(x.scale)).reshape(jnp.shape(x.scale))
+    prod, grid = ct * x.data.astype(F32), jnp.shape(x.scale)
+    ct_s = jnp.sum(prod) if len(grid) == 0 else block_reduce(jnp.sum, prod, grid)
     return ScaledArray(ct_d, ct_s.astype(x.scale.dtype))
 
 
