@@ -86,17 +86,70 @@ class MXFormat(ScaledFormat):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
-        amax = _layout.block_amax(x, block, exact=self.scale_mode in ("ceil", "even"))  # see block_amax
+        fast_amax = _layout.fast_block_max(x, block)
+        if fast_amax is None:  # the exact block max is as fast here (see block_amax)
+            data, byte = self._encode(x, block, _layout.block_amax(x, block, exact=True))
+            data = self._pack(data)
+        else:
+            data, byte = self._encode_fast(x, block, fast_amax)
+        return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
+    def _pack(self, codes, materialized: bool = False):
+        if not self._packs:
+            return codes
+        return _packing.pack(codes, self.element.bits, self.axis % codes.ndim, materialized=materialized)
+
+    def _scale(self, amax):
+        """``(e, byte)``: each block's exponent and its E8M0 byte (255, NaN, for non-finite blocks)."""
         e, overflow = e8m0_exponent(amax, self.element, self.scale_mode)
         nonfinite = ~(amax <= np.finfo(np.float32).max) | overflow
-        byte = jnp.where(nonfinite, E8M0_NAN, e + 127).astype(jnp.uint8)
+        return e, jnp.where(nonfinite, E8M0_NAN, e + 127).astype(jnp.uint8)
+
+    def _encode(self, x, block, amax):
+        """Unpacked element data and scale bytes from the exact block max."""
+        e, byte = self._scale(amax)
         # Block scales are applied as x * 2**-e, split so no factor is subnormal.
         inv_head, inv_tail = _bits.pow2_split(-e)
         v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
-        data = self.element.encode(v)
-        if self._packs:
-            data = _packing.pack(data, self.element.bits, self.axis % x.ndim)
-        return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+        return self.element.encode(v), byte
+
+    def _encode_fast(self, x, block, fast_amax):
+        """:meth:`_encode`, with the block max from the NaN-blind float reduction where possible.
+
+        The exact integer block max replaces the float one when ``x`` holds a NaN (the float max
+        drops it) and, for ``ceil``/``even`` (which read the mantissa of a subnormal block max),
+        when a block max is below the smallest normal; ``floor``/``rceil`` depend on a subnormal or
+        zero block max only through its exponent field (0 either way) or through a float division
+        in which it reads as zero anyway, so the scales equal those of the exact block max.
+
+        The element loop runs inside a second ``cond``: its fast branch, taken when ``x`` holds no
+        NaN and every ``e < 127`` (so the scale is one normal power of two), leaves out the NaN
+        test and the second scale factor; the other branch is :meth:`_encode`'s loop. Both give the
+        same bits. Being ``cond`` operands, the per-block factors are written out once instead of
+        being re-derived inside the element loop.
+        """
+        nan = _layout.has_nan(x)
+        need_exact = nan
+        if self.scale_mode in ("ceil", "even"):
+            need_exact = need_exact | jnp.any(fast_amax < np.float32(np.finfo(np.float32).tiny))
+        amax = lax.cond(need_exact, lambda x, a: _layout.block_amax(x, block, exact=True), lambda x, a: a, x, fast_amax)
+        e, byte = self._scale(amax)
+        inv_head, inv_tail = _bits.pow2_split(-e)
+        # fp4 pairs are packed inside the element loop; fp6 codes leave the cond unpacked, so
+        # that they are written out, and are packed from memory (see _packing.pack).
+        pack_inside = self.element.bits != 6
+
+        def general(x, inv_head, inv_tail):
+            v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
+            data = self.element.encode(v)
+            return self._pack(data) if pack_inside else data
+
+        def fast(x, inv_head, inv_tail):
+            data = self.element.encode(x * _layout.expand(inv_head, x.shape, block), nan_free=True)
+            return self._pack(data) if pack_inside else data
+
+        data = lax.cond(nan | jnp.any(e >= 127), general, fast, x, inv_head, inv_tail)
+        return (data if pack_inside else self._pack(data, materialized=True)), byte
 
     def decode(self, data):
         if self._packs:

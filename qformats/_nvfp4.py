@@ -8,6 +8,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from qformats import _elements, _layout, _packing
 from qformats._format import ScaledFormat
@@ -56,6 +57,23 @@ class NVFP4Format(ScaledFormat):
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
         amax = _layout.block_amax(x, block)
+        code, tensor, total = self._scales(amax)
+        if _layout.has_fast_block_max(x.shape, block):
+            # A cond (its branches are the same loop) makes XLA write the per-block scales out once
+            # instead of re-deriving them (an E4M3 encode and decode) inside the element loop.
+            def encode(x, total):
+                return self._encode(x, block, total)
+
+            data = lax.cond(_layout.has_nan(x), encode, encode, x, total)
+        else:
+            data = self._encode(x, block, total)
+        return data, NVFP4Scale(code, tensor)
+
+    def _pack(self, codes):
+        return _packing.pack(codes, 4, self.axis % codes.ndim) if self.packed else codes
+
+    def _scales(self, amax):
+        """``(block code, tensor scale, block code value * tensor scale)`` from the block max."""
         block_scale = amax / np.float32(_FP4.max_value)
         if self.tensor_scale:
             tensor = jnp.max(amax) / np.float32(_E4M3.max_value * _FP4.max_value)
@@ -64,13 +82,12 @@ class NVFP4Format(ScaledFormat):
         else:
             tensor = jnp.float32(1)
         code = _E4M3.encode(jnp.clip(block_scale, _E4M3_TINY, _E4M3.max_value))
-        # XLA fuses this per-block chain into the element loop; decoding the E4M3 code from its
-        # bits there is cheaper than XLA's float8 convert (same values).
-        total = tensor * _E4M3.decode(code)
-        data = _FP4.encode(x / _layout.expand(total, x.shape, block))
-        if self.packed:
-            data = _packing.pack(data, 4, self.axis % x.ndim)
-        return data, NVFP4Scale(code, tensor)
+        # Decoding the E4M3 code from its bits is cheaper than XLA's float8 convert (same values).
+        return code, tensor, tensor * _E4M3.decode(code)
+
+    def _encode(self, x, block, total):
+        """Element data (packed if ``self.packed``) for per-block multipliers ``total``."""
+        return self._pack(_FP4.encode(x / _layout.expand(total, x.shape, block)))
 
     def decode(self, data):
         if self.packed:

@@ -38,12 +38,20 @@ def _word_bytes(w, k):
     return b.reshape((*w.shape[:-1], w.shape[-1] * k))
 
 
-def _pack_last(codes, bits):
+def _pack_last(codes, bits, materialized):
     # Bit operations on whole words (one load and one store per group): XLA fuses this into the
     # encoder's loop; gathering strided slices and stacking them is several times slower on CPU.
     if bits == 4:
         w = _group_word(codes, 2, jnp.uint16)  # c0 | c1 << 8
         return (w | (w >> 4)).astype(jnp.uint8)
+    if materialized:
+        # Codes already in memory: each output byte straight from the two codes it takes bits
+        # from, stacked in threes, is about 2x faster than the words below. (Fused into an element
+        # encoder, XLA would recompute the codes for every byte, several times slower.)
+        g = codes.reshape((*codes.shape[:-1], codes.shape[-1] // 4, 4))
+        c0, c1, c2, c3 = (g[..., i] for i in range(4))
+        packed = jnp.stack([c0 | (c1 << 6), (c1 >> 2) | (c2 << 4), (c2 >> 4) | (c3 << 2)], axis=-1)
+        return packed.reshape((*codes.shape[:-1], codes.shape[-1] * 3 // 4))
     w = _group_word(codes, 4, jnp.uint32)  # c0 | c1 << 8 | c2 << 16 | c3 << 24
     w = (w & 0x3F) | ((w >> 2) & 0xFC0) | ((w >> 4) & 0x3F000) | ((w >> 6) & 0xFC0000)
     return _word_bytes(w, 3)
@@ -56,10 +64,14 @@ def _unpack4_last(packed):
     return codes.reshape((*packed.shape[:-1], packed.shape[-1] * 2))
 
 
-def pack(codes, bits: int, axis: int):
-    """Pack ``uint8`` codes of width ``bits`` (4 or 6) along ``axis``."""
+def pack(codes, bits: int, axis: int, *, materialized: bool = False):
+    """Pack ``uint8`` codes of width ``bits`` (4 or 6) along ``axis``.
+
+    ``materialized=True`` picks the form that is fastest when ``codes`` is read from memory rather
+    than computed in the same loop (same result).
+    """
     if bits in (4, 6) and axis % codes.ndim == codes.ndim - 1:
-        return _pack_last(codes, bits)
+        return _pack_last(codes, bits, materialized)
     if bits == 4:
         lo, hi = _split(codes, axis, 2)
         return lo | (hi << 4)
