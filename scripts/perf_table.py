@@ -64,6 +64,8 @@ def load(path: Path) -> tuple[dict, dict]:
         values, params = row.get("result"), row.get("params") or []
         if values is None:
             continue
+        if not isinstance(values, list):  # a benchmark without parameters
+            values = [values]
         combos = [()]
         for axis in params:
             combos = [(*c, p) for c in combos for p in axis]

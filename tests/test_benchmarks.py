@@ -128,14 +128,23 @@ def test_perf_table_from_asv_results(tmp_path, capsys):
         "bench_formats.Ratio.track_quantize_ratio": [[1.8, 2.7], [["'mxfp8'", "'nvfp4'"], ["'2048x2048'"]], "v"],
         "bench_formats.Ratio.track_dequantize_ratio": [[1.2, None], [["'mxfp8'", "'nvfp4'"], ["'2048x2048'"]], "v"],
         "bench_formats.Storage.track_bits_per_element": [[8.25, 4.5], [["'mxfp8'", "'nvfp4'"], ["'1024x1024'"]], "v"],
+        "bench_scalify.Float16MLPStep.track_ratio": [[1.02], [], "v"],
+        "bench_scalify.Float16MLPStep.track_trace_lower_ratio": [[2.5], [], "v"],
+        "bench_scalify.MLPTrainStep.track_ratio": [[1.3], [["'mxfp8'"]], "v"],
     }
     header = {"result_columns": cols, "results": results, "commit_hash": "abc", "params": {"machine": "m", "cpu": "c"}}
     path = tmp_path / "res.json"
     path.write_text(json.dumps(header))
     doc = tmp_path / "perf.md"
-    doc.write_text(f"intro\n{perf_table.START}\nold\n{perf_table.END}\noutro\n")
+    doc.write_text(
+        f"intro\n{perf_table.START}\nold\n{perf_table.END}\nmiddle\n"
+        f"{perf_table.SCALIFY_START}\nstale\n{perf_table.SCALIFY_END}\noutro\n"
+    )
     assert perf_table.main(["--results", str(path), "--doc", str(doc)]) == 0
     text = doc.read_text()
-    assert "old" not in text and text.startswith("intro") and text.rstrip().endswith("outro")
+    assert "old" not in text and "stale" not in text and "middle" in text
+    assert text.startswith("intro") and text.rstrip().endswith("outro")
+    assert "step **1.020** ✓ (target 1.03), trace+lower **2.50** ✗ (target 2.0)" in text
+    assert "| mxfp8 | 1.30 | n/a | n/a | n/a |" in text
     assert "| mxfp8 | 1.80 ✓ (2.0) | 1.20 ✓ (1.5) | 8.250 |" in text
     assert "| nvfp4 | 2.70 ✓ (3.0) | n/a (2.0) | 4.500 |" in text
