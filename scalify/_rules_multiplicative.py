@@ -29,6 +29,7 @@ from scalify._rules_common import (
     _grid_shapes_compatible,
     dequant,
     fold,
+    is_scaled,
     per_tensor,
     promote,
     renormalize,
@@ -48,11 +49,20 @@ def _binary(eqn, a, b, op_scale):
     return ScaledArray(data, op_scale(pa.scale, pb.scale))
 
 
-register_rule(
+@register_rule(
     p.mul_p,
     "multiplicative",
-    "data * data, scale * scale (block grids broadcast; static scalars split exactly into 2^k).",
-)(lambda eqn, a, b: _binary(eqn, a, b, lambda x, y: x * y))
+    "data * data, scale * scale (block grids broadcast; static scalars split exactly into 2^k). Two "
+    "runtime scaled operands are renormalised per block first, so their data product stays in range.",
+)
+def _mul(eqn, a, b):
+    if is_scaled(a) and is_scaled(b) and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        # Data that drifted far from 1 (a per-tensor dot passes scales on without renormalising)
+        # would underflow or overflow when squared (g * g in Adam): data 1e-25 with scale 1e20 gives
+        # data 0 and scale inf. Moving each block's amax (a power of two) into the scale is exact.
+        a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
+        b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+    return _binary(eqn, a, b, lambda x, y: x * y)
 
 
 @register_rule(

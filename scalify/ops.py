@@ -49,7 +49,12 @@ def _norm_l1(d):
 
 
 def _norm_l2(d):
-    return jnp.sqrt(jnp.mean(d * d, axis=tuple(range(1, d.ndim, 2))))
+    """Per-block RMS, computed on ``d / max|d|`` so that squaring tiny (or huge) data cannot
+    underflow (overflow): ``rms(d) = m * sqrt(mean((d / m)^2))``."""
+    axes = tuple(range(1, d.ndim, 2))
+    m = jnp.max(jnp.abs(d), axis=axes, keepdims=True)
+    m = jnp.where(m > 0, m, jnp.ones_like(m))
+    return jnp.squeeze(m, axes) * jnp.sqrt(jnp.mean(jnp.square(d / m), axis=axes))
 
 
 _NORMS = {"max": _norm_max, "l1": _norm_l1, "l2": _norm_l2}

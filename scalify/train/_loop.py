@@ -1,6 +1,6 @@
 """Training modes and the training loop.
 
-Mechanisms (``MODE_MECHANISMS`` / :func:`describe_mode`):
+Mechanisms (:func:`describe_mode`):
 
 * ``fp32`` / ``bf16`` / ``fp16``: plain ``jax.jit`` step. Parameters, activations, gradients and the
   optimizer state are stored and computed in that dtype; no scaling of any kind, no float32 master
@@ -10,9 +10,10 @@ Mechanisms (``MODE_MECHANISMS`` / :func:`describe_mode`):
   The gradient of every matmul output is rescaled dynamically (``scalify.ops.dynamic_rescale_l2_grad``)
   and the parameter gradients are rescaled (``dynamic_rescale_l2``) before the optimizer, as in
   jax-scalify's examples. The optimizer state (SGD: none; Adam: both moments) is float16 ScaledArrays;
-  Adam's update arithmetic (bias correction, ``mu / (sqrt(nu) + eps)``) runs on a float32 carrier
-  (:func:`adam_fp32_update`) because float16 data divided by small float16 data overflows, and the
-  transformer's LayerNorm runs on a float32 carrier (``Numerics.norm_dtype``) for the same reason.
+  Adam's arithmetic (moment recurrences, bias correction, ``mu / (sqrt(nu) + eps)``) runs on a float32
+  carrier and its second moment is stored as ``sqrt(nu)`` (:func:`adam_fp32_update`: ``nu = g**2``
+  spans more than float16's range within one tensor), and the transformer's LayerNorm runs on a
+  float32 carrier (``Numerics.norm_dtype``).
 * any registered qformats format ``F`` (except ``fp16`` and ``bf16``, whose names the plain modes
   take): parameters are float32 carrier ScaledArrays and the whole step runs under
   ``jax.jit(scalify.scalify(step))``. Both operands of every matmul are quantized into ``F`` with
@@ -21,11 +22,20 @@ Mechanisms (``MODE_MECHANISMS`` / :func:`describe_mode`):
   ``ops.quantize`` is straight-through, so backward matmuls run on float32 values, except for
   ``fp8_e4m3``, where the gradient of every matmul output is also quantized to per-tensor
   ``fp8_e5m2`` (E4M3 forward, E5M2 backward). Weights and optimizer state stay float32 (master weights).
+  Matmul-output and parameter gradients are rescaled dynamically as under ``fp16-scalify`` (powers of
+  two: exact on a float32 carrier). Without it, per-tensor formats drift: scalify's per-tensor
+  ``dot_general`` rule multiplies the scales and never renormalises the data, so through the backward
+  pass a gradient's data shrinks to ~1e-25 while its scale grows to ~1e20, and Adam's ``g * g`` then
+  underflows the data and overflows the scale in float32 (``fp8_e5m2``: NaN from the second step).
+
+Under scalify the initial optimizer state is built directly in the structure the step returns (zero
+ScaledArrays, parameters on the returned scale grids; :func:`_settle`), so the step compiles once.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import time
@@ -77,7 +87,7 @@ def get_mode(name: str) -> Mode:
             _models.Numerics(dtype=jnp.float16, rescale_grads=True, norm_dtype=jnp.float32),
             True,
             "scalify: float16 ScaledArray params/activations/grads/optimizer state, dynamic grad rescaling "
-            "(LayerNorm and the Adam update on a float32 carrier)",
+            "(LayerNorm and the Adam update on a float32 carrier, Adam's second moment stored as sqrt(nu))",
         )
     try:
         fmt = qf.get_format(name)
@@ -87,7 +97,8 @@ def get_mode(name: str) -> Mode:
     grad_fmt = qf.get_format(grad) if grad else None
     mech = f"scalify + ops.quantize of matmul operands to {fmt.name} (straight-through backward"
     mech += f", output grads in {grad})" if grad else ")"
-    return Mode(name, _models.Numerics(dtype=jnp.float32, fmt=fmt, grad_fmt=grad_fmt), True, mech)
+    mech += ", dynamic grad rescaling"
+    return Mode(name, _models.Numerics(dtype=jnp.float32, fmt=fmt, grad_fmt=grad_fmt, rescale_grads=True), True, mech)
 
 
 def describe_mode(name: str) -> str:
@@ -116,33 +127,48 @@ def _make_optimizer(kind, lr, fp32_update=False):
 class AdamState(NamedTuple):
     count: jnp.ndarray
     mu: object
-    nu: object
+    rms: object  # sqrt of Adam's second moment nu (see adam_fp32_update)
 
 
 def adam_fp32_update(lr, b1=0.9, b2=0.999, eps=1e-8) -> optax.GradientTransformation:
-    """Adam whose moments are stored like the parameters (float16 ScaledArrays under fp16-scalify) but
-    whose bias correction and ``mu / (sqrt(nu) + eps)`` run in float32 (a float32 carrier under
-    scalify), then cast back to the gradient's dtype. Plain ``optax.adam`` on float16 ScaledArrays
-    overflows: scalify's ``div`` rule divides float16 data by small float16 data."""
+    """Adam whose moments are stored like the parameters (float16 ScaledArrays under fp16-scalify)
+    while the moment recurrences, the bias correction and ``mu / (sqrt(nu) + eps)`` run on a float32
+    carrier, the results cast back to the gradient's dtype.
+
+    The second moment is stored as its square root ``rms = sqrt(nu)`` (``nu = rms**2`` is recomputed in
+    float32 at each step). ``nu`` holds ``g**2``, whose spread within one tensor is the square of the
+    gradient's: a transformer's gradient spans ~1e6 inside a weight matrix, so ``g**2`` spans ~1e12,
+    more than float16 holds under one per-tensor scale (normal range ~1e9, subnormals included ~1e12).
+    Stored as ``nu``, the small entries flush to zero while ``mu`` keeps them, and their update
+    ``mu / (0 + eps)`` is thousands of times Adam's ``lr`` (measured on the char transformer's first
+    step: up to 6000x on a few hundred weights, which set its training back by tens of steps). ``rms``
+    has the gradient's own spread, the same as ``mu``'s.
+    """
 
     def init(params):
-        z = jax.tree.map(jnp.zeros_like, params)
-        return AdamState(jnp.zeros((), jnp.int32), z, jax.tree.map(jnp.zeros_like, params))
+        return AdamState(
+            jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params)
+        )
+
+    def new_rms(r, x):
+        r32, x32 = r.astype(jnp.float32), x.astype(jnp.float32)
+        nu = b2 * (r32 * r32) + (1 - b2) * (x32 * x32)
+        return ops.dynamic_rescale_max(jnp.sqrt(nu)).astype(x.dtype)
 
     def update(g, state, params=None):
         del params
         count = state.count + 1
         mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
-        nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * (x * x), state.nu, g)
+        rms = jax.tree.map(new_rms, state.rms, g)
         c1 = 1 - b1 ** count.astype(jnp.float32)
-        c2 = 1 - b2 ** count.astype(jnp.float32)
+        sqrt_c2 = jnp.sqrt(1 - b2 ** count.astype(jnp.float32))
 
-        def upd(m, v, x):
+        def upd(m, r, x):
             m32 = m.astype(jnp.float32) / c1
-            v32 = v.astype(jnp.float32) / c2
-            return ops.dynamic_rescale_max(-lr * m32 / (jnp.sqrt(v32) + eps)).astype(x.dtype)
+            r32 = r.astype(jnp.float32) / sqrt_c2
+            return ops.dynamic_rescale_max(-lr * m32 / (r32 + eps)).astype(x.dtype)
 
-        return jax.tree.map(upd, mu, nu, g), AdamState(count, mu, nu)
+        return jax.tree.map(upd, mu, rms, g), AdamState(count, mu, rms)
 
     return optax.GradientTransformation(init, update)
 
@@ -161,6 +187,7 @@ class TrainResult:
     val_loss: float
     val_accuracy: float | None
     time_s: float
+    step_s: float = float("nan")  # mean seconds per step after the first (which compiles)
     history: list[float] = attrs.field(factory=list, repr=False)
 
     def metrics(self) -> dict:
@@ -218,6 +245,7 @@ def _compiled(model, fmt, hp_frozen):
     def step(p, s, x, y):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
         if num.rescale_grads:
+            # Unit-norm data for every parameter gradient before the optimizer squares it.
             g = jax.tree.map(ops.dynamic_rescale_l2, g)
         upd, s = opt.update(g, s, p)
         p = optax.apply_updates(p, upd)
@@ -278,19 +306,27 @@ def train(
     if mode.use_scalify:
         params = scalify.as_scaled_array(params)
         opt_state = scalify.scalify(opt.init)(params)
+        first = next(batches)
+        params, opt_state = _settle(step_fn, params, opt_state, to_input(first[0]), jnp.asarray(first[1]))
+        batches = itertools.chain([first], batches)
     else:
         opt_state = opt.init(params)
 
     bar = _progress(progress, steps, f"{model}/{fmt}")
     history = []
     t0 = time.perf_counter()
+    t1 = t0
     for i in range(steps):
         x, y = next(batches)
         params, opt_state, loss = step_fn(params, opt_state, to_input(x), jnp.asarray(y))
         history.append(_plain(loss))
+        if i == 0:  # the first step includes the compilation
+            jax.block_until_ready(history[0])
+            t1 = time.perf_counter()
         if bar is not None and (i % 10 == 9 or i == steps - 1):
             bar(i + 1, float(_plain(loss)))
     history = [_finite_or_nan(v) for v in jax.device_get(history)]
+    step_s = (time.perf_counter() - t1) / (steps - 1) if steps > 1 else float("nan")
 
     tot_loss, tot_correct, tot_n = 0.0, 0, 0
     for x, y in val_batches:
@@ -314,8 +350,72 @@ def train(
         val_loss=_finite_or_nan(tot_loss / tot_n),
         val_accuracy=(tot_correct / tot_n) if model == "mlp" else None,
         time_s=round(elapsed, 3),
+        step_s=round(step_s, 4),
         history=history,
     )
+
+
+_ZERO_STATE_SCALE = 2.0**-100
+
+
+def _is_scaled(x) -> bool:
+    return isinstance(x, scalify.ScaledArray)
+
+
+def _same_layout(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        (u.shape, u.dtype) == (v.shape, v.dtype) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _settle(step_fn, params, opt_state, x, y, max_rounds=3):
+    """``(params, opt_state)`` with the same values, in the pytree layout the step returns.
+
+    Under scalify the step can return other scale grids than it was given (a moment takes the block
+    grid of its gradient's scale, an updated parameter the grid of its update), and every new layout
+    makes ``jax.jit`` compile the step again (tens of seconds each). The layout is found with
+    ``jax.eval_shape`` (no compilation) until it is a fixed point:
+
+    * a parameter is re-expressed on the returned grid with scale 1 (``data = value``, as
+      ``scalify.as_scaled_array`` makes it);
+    * an optimizer state that is entirely zero (every optimizer here at step 0) is rebuilt as zero
+      ScaledArrays of the returned layout, with a tiny scale (2^-100), so that adding the first
+      gradient keeps the gradient's scale (scale 1 would push a small float16 gradient's data towards
+      underflow). A non-zero state is left as it is.
+
+    Formatted (``fmt``) leaves are left as they are.
+    """
+    for _ in range(max_rounds):
+        out_p, out_s = jax.eval_shape(step_fn, params, opt_state, x, y)[:2]
+        same_p, same_s = _same_layout(out_p, params), _same_layout(out_s, opt_state)
+        if same_p and same_s:
+            break
+        formatted = any(
+            _is_scaled(v) and v.fmt is not None for v in jax.tree.leaves((out_p, out_s), is_leaf=_is_scaled)
+        )
+        if formatted or not (same_p or jax.tree.structure(out_p) == jax.tree.structure(params)):
+            break
+        if not same_p:
+            params = jax.tree.map(_on_grid, params, out_p, is_leaf=_is_scaled)
+        if not same_s:
+            zero = all(not np.any(np.asarray(_plain(v))) for v in jax.tree.leaves(opt_state, is_leaf=_is_scaled))
+            if not zero:
+                break
+            opt_state = jax.tree.map(_zeros_like_layout, out_s, is_leaf=_is_scaled)
+    return params, opt_state
+
+
+def _on_grid(p, sds):
+    if not _is_scaled(p) or tuple(p.scale.shape) == tuple(sds.scale.shape):
+        return p
+    return scalify.ScaledArray(p.to_array(sds.data.dtype), jnp.ones(sds.scale.shape, sds.scale.dtype))
+
+
+def _zeros_like_layout(sds):
+    if _is_scaled(sds):
+        scale = jnp.full(sds.scale.shape, _ZERO_STATE_SCALE, sds.scale.dtype)
+        return scalify.ScaledArray(jnp.zeros(sds.data.shape, sds.data.dtype), scale)
+    return jnp.zeros(sds.shape, sds.dtype)
 
 
 def _progress(progress, total, desc):

@@ -180,3 +180,22 @@ def test_mx_blocks_on_the_contracted_axis_still_use_per_block_products():
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     # One batched dot over the 4 blocks of 32 (plus the tiny grid product): no dequantized operand.
     assert any(e.params["dimension_numbers"][1][0] for e in dots)
+
+
+def test_product_of_drifted_operands_renormalises_instead_of_nan():
+    # Found training fp8_e5m2 (Adam's g * g): per-tensor dots pass scales on, so a gradient's data
+    # drifted to ~1e-25 with a scale of ~1e20. Squaring gave data 0 and scale inf: NaN.
+    t = _carrier([1.77e-25, -1e-26], 2.0**67)
+    _check(lambda v: v * v, (t,), _deq(t) ** 2, RTOL_F32)
+    t = _carrier([3e-20, 1e-21], 2.0**57)
+    _check(lambda v: v * v, (t,), _deq(t) ** 2, RTOL_F32)
+
+
+def test_dynamic_rescale_l2_of_tiny_data_is_not_a_no_op():
+    # The l2 norm squared the raw data: below ~1e-19 it was 0 and the rescale did nothing.
+    t = _carrier([3e-20, 1e-21], 2.0**57)
+    for wrap in MODES.values():
+        out = wrap(jsa.scalify(ops.dynamic_rescale_l2))(t)
+        rms = np.sqrt(np.mean(np.asarray(t.data, np.float64) ** 2))
+        assert 0.5 <= float(np.max(np.abs(np.asarray(out.data)))) / (3e-20 / rms) <= 2.0
+        np.testing.assert_allclose(_deq(out), _deq(t), rtol=RTOL_F32)
