@@ -51,10 +51,12 @@ register_rule(
 )(_add)
 
 
-def _prescaled(data, r):
-    if r == 1.0:
-        return data
-    return data * jnp.asarray(1.0 / r, data.dtype)
+def _prescaled_sum(eqn, x: ScaledArray, n: int, scale=None) -> ScaledArray:
+    """Bind a sum over ``n`` terms on data pre-scaled by ``1/r`` (``r`` = 2^k ~ sqrt(n)); scale * r."""
+    r = sqrt_rescale(n)
+    data = x.data if r == 1.0 else x.data * jnp.asarray(1.0 / r, x.data.dtype)
+    (out,) = bind_eqn(eqn, [data])
+    return ScaledArray(out, times(x.scale if scale is None else scale, r))
 
 
 @register_rule(
@@ -65,13 +67,10 @@ def _prescaled(data, r):
 )
 def _reduce_sum(eqn, x):
     axes = tuple(eqn.params["axes"])
-    n = math.prod(x.data.shape[a] for a in axes)
-    r = sqrt_rescale(n)
     if not per_tensor(x) and not all(x.scale.shape[a] == 1 for a in axes):
         x = fold(x)
-    (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
     scale = x.scale if per_tensor(x) else jnp.squeeze(x.scale, axis=axes)
-    return ScaledArray(data, times(scale, r))
+    return _prescaled_sum(eqn, x, math.prod(x.data.shape[a] for a in axes), scale)
 
 
 @register_rule(
@@ -81,11 +80,9 @@ def _reduce_sum(eqn, x):
 )
 def _cumsum(eqn, x):
     axis = eqn.params["axis"]
-    r = sqrt_rescale(x.data.shape[axis])
     if not per_tensor(x) and x.scale.shape[axis] != 1:
         x = fold(x)
-    (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
-    return ScaledArray(data, times(x.scale, r))
+    return _prescaled_sum(eqn, x, x.data.shape[axis])
 
 
 @register_rule(
@@ -94,10 +91,7 @@ def _cumsum(eqn, x):
     "per-tensor (blocks folded): data pre-scaled by ~1/sqrt(window size), summed; scale * 2^k.",
 )
 def _reduce_window_sum(eqn, x):
-    x = fold(x)
-    r = sqrt_rescale(math.prod(eqn.params["window_dimensions"]))
-    (data,) = bind_eqn(eqn, [_prescaled(x.data, r)])
-    return ScaledArray(data, times(x.scale, r))
+    return _prescaled_sum(eqn, fold(x), math.prod(eqn.params["window_dimensions"]))
 
 
 @register_rule(

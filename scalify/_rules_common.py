@@ -21,27 +21,29 @@ from scalify._scaled_array import ScaledArray, expand_scale
 F32 = jnp.float32
 
 
-def staged(fn):
-    """Run the helper ``fn(..., mode=...)`` as a nested ``jax.jit``, the config's rounding mode static.
+def staged(*static: str):
+    """Run the decorated helper ``fn(..., mode=...)`` as a nested ``jax.jit``; the config's rounding
+    mode and the keyword arguments named in ``static`` (dtypes) are static.
 
     Rules call a few scale helpers (combine, rescale, renormalise) at every application. Inlined,
     their equations are traced and lowered again each time; a nested jit is traced once per
     signature and lowered once per program, which is most of scalify's trace-and-lower price.
     ``Pow2RoundMode.STOCHASTIC`` draws a fresh key per call, so it must not be cached: inlined.
-    Other arguments named in ``static`` (dtypes, grid shapes) are static too.
     """
-    static = ("mode", "dtype", "grid_shape")
-    params = fn.__code__.co_varnames[: fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
-    jitted = jax.jit(fn, static_argnames=tuple(n for n in static if n in params))
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        mode = get_config().rounding_mode
-        if mode == Pow2RoundMode.STOCHASTIC:
-            return fn(*args, mode=mode, **kwargs)
-        return jitted(*args, mode=mode, **kwargs)
+    def decorate(fn):
+        jitted = jax.jit(fn, static_argnames=("mode", *static))
 
-    return wrapper
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            mode = get_config().rounding_mode
+            if mode == Pow2RoundMode.STOCHASTIC:
+                return fn(*args, mode=mode, **kwargs)
+            return jitted(*args, mode=mode, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 def is_scaled(x) -> bool:
@@ -132,7 +134,7 @@ def renormalize(v, scale, dtype) -> ScaledArray:
     return ScaledArray(*_renormalize(v, scale, dtype=np.dtype(dtype)))
 
 
-@staged
+@staged("dtype")
 def _renormalize(v, scale, *, dtype, mode):
     """Carrier of the float32 data ``v`` on the block-grid (or 0-d) ``scale``, renormalised per block.
 
@@ -191,7 +193,7 @@ def rescale(data, ratio, dtype=None):
     return _rescale(data, ratio, dtype=np.dtype(dtype))
 
 
-@staged
+@staged("dtype")
 def _rescale(data, ratio, *, dtype, mode):
     del mode
     return (data.astype(F32) * expand_scale(ratio, data.shape)).astype(dtype)
@@ -219,7 +221,7 @@ def combine_l2(scales):
     return _combine_l2(tuple(scales))
 
 
-@staged
+@staged()
 def _combine_l2(scales, *, mode):
     """``sqrt(sum(s**2))`` rounded to a power of two, without squaring the scales themselves.
 

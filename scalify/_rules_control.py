@@ -124,7 +124,7 @@ def _leaf_cotangent(x, ct):
     """Cotangents of ``x``'s leaves for the value cotangent ``ct`` (None: a zero cotangent)."""
     if not _differentiable(x.data if isinstance(x, ScaledArray) else x):
         return None
-    ct = dequant(ct) if isinstance(ct, ScaledArray) else jnp.asarray(ct, F32)
+    ct = dequant(ct)
     if not isinstance(x, ScaledArray):
         return ct.astype(jnp.result_type(x))
     shape = x.data.shape
