@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from scalify._config import get_config
-from scalify._jax_compat import DropVar, Literal, bind_eqn, logical_aval, sub_jaxprs
+from scalify._jax_compat import DropVar, Literal, bind_eqn, logical_aval, p, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
-from scalify._rules_common import isolate_scale
+from scalify._rules_common import fill_scope, isolate_scale, note_fill
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
 
 # Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
@@ -102,8 +102,22 @@ def _seal(x, sealed: dict):
     return x
 
 
+def _note_literal_fill(eqn, outs):
+    """A broadcast of a float literal (the zeros of a relu or ``where`` cotangent) is a static fill:
+    rules then treat it like the scalar (a zero adopts the other operands' scale, no rescale)."""
+    if eqn.primitive is p.broadcast_in_dim_p and len(eqn.invars) == 1 and isinstance(eqn.invars[0], Literal):
+        value = eqn.invars[0].val
+        if jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            note_fill(outs[0], float(value))
+
+
 def eval_jaxpr(jaxpr, consts, *args):
     """Evaluate an open ``jaxpr`` on ScaledArrays and plain values with the rule table."""
+    with fill_scope():
+        return _eval_jaxpr(jaxpr, consts, *args)
+
+
+def _eval_jaxpr(jaxpr, consts, *args):
     env = {}
 
     def read(v):
@@ -113,12 +127,15 @@ def eval_jaxpr(jaxpr, consts, *args):
         if not isinstance(v, DropVar):
             env[v] = val
 
+    keep = get_config().keep_format
+    sealed = {}
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         write(v, c)
     for v, a in zip(jaxpr.invars, args, strict=True):
         write(v, a)
-    keep = get_config().keep_format
-    sealed = {}
+        if isinstance(a, ScaledArray):
+            # An input scale is a runtime value with no static factor folded in: nothing to seal.
+            sealed[id(a.scale)] = a.scale
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if _needs_rule(eqn, invals):
@@ -129,11 +146,14 @@ def eval_jaxpr(jaxpr, consts, *args):
             outs = rule.fn(eqn, *args_)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            outs = [_seal(o, sealed) for o in outs]
+            if rule.group != "control":
+                # A control-flow rule's outputs come from an interpreted body that sealed them.
+                outs = [_seal(o, sealed) for o in outs]
             if keep:
                 outs = _maybe_keep_format(rule, invals, list(outs))
         else:
             outs = bind_eqn(eqn, invals)
+            _note_literal_fill(eqn, outs)
         for v, o in zip(eqn.outvars, outs, strict=True):
             write(v, o)
     return [read(v) for v in jaxpr.outvars]

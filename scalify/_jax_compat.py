@@ -81,6 +81,11 @@ def bind_eqn(eqn, invals):
     return out if eqn.primitive.multiple_results else [out]
 
 
+def bind_eqn_with(eqn, invals, **changes):
+    """:func:`bind_eqn` with some of the equation's parameters replaced."""
+    return bind_eqn(eqn.replace(params={**eqn.params, **changes}), invals)
+
+
 def sub_jaxprs(jaxpr):
     """Jaxprs nested in the params of ``jaxpr``'s equations (one level)."""
     for eqn in jaxpr.eqns:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from scalify._jax_compat import add_any_p, bind_eqn, lax_primitive, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
+    F32,
     align,
     combine_l2,
     dequant,
@@ -26,7 +29,7 @@ from scalify._rules_common import (
     sqrt_rescale,
     times,
 )
-from scalify._scaled_array import ScaledArray, block_of
+from scalify._scaled_array import ScaledArray, block_of, cast
 
 
 def _add(eqn, *xs):
@@ -38,8 +41,23 @@ def _add(eqn, *xs):
         (value,) = bind_eqn(eqn, [dequant(x) for x in xs])
         grid = () if jnp.ndim(s) == 0 or jnp.ndim(value) == 0 else tuple(jnp.shape(s))
         return requant_blocks(value, grid, eqn.outvars[0].aval.dtype)
-    datas, s = align(list(xs), combine_l2)
-    return ScaledArray(bind_eqn(eqn, datas)[0], s)
+    out_dtype = eqn.outvars[0].aval.dtype
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        datas, s = align(list(xs), combine_l2)
+        return ScaledArray(bind_eqn(eqn, datas)[0], s)
+    # The aligned operands are summed in float32 and rounded once: a power-of-two rescale is exact
+    # in float32, so this is the carrier-dtype sum of the rescaled values without the two extra
+    # roundings (and without their underflow) of rescaling in the carrier dtype first.
+    datas, s = align(list(xs), combine_l2, dtype=F32)
+    return ScaledArray(cast(bind_eqn(eqn, datas)[0], _carrier_dtype(xs, out_dtype)), s)
+
+
+def _carrier_dtype(xs, out_dtype):
+    """The data dtype of the first scaled operand (the carrier the sum returns to)."""
+    for x in xs:
+        if is_scaled(x):
+            return x.data.dtype
+    return out_dtype
 
 
 register_rule(
@@ -52,11 +70,20 @@ register_rule(
 
 
 def _prescaled_sum(eqn, x: ScaledArray, n: int, scale=None) -> ScaledArray:
-    """Bind a sum over ``n`` terms on data pre-scaled by ``1/r`` (``r`` = 2^k ~ sqrt(n)); scale * r."""
+    """A sum over ``n`` terms scaled by ``1/r`` (``r`` = 2^k ~ sqrt(n)); scale * r.
+
+    Floating data is accumulated in float32 and the scaled sum rounded once to the carrier dtype,
+    so the accumulation cannot overflow it whatever ``n``.
+    """
     r = sqrt_rescale(n)
-    data = x.data if r == 1.0 else x.data * jnp.asarray(1.0 / r, x.data.dtype)
-    (out,) = bind_eqn(eqn, [data])
-    return ScaledArray(out, times(x.scale if scale is None else scale, r))
+    scale = times(x.scale if scale is None else scale, r)
+    if not jnp.issubdtype(x.data.dtype, jnp.floating):
+        data = x.data if r == 1.0 else lax.mul(x.data, np.asarray(1.0 / r, x.data.dtype))
+        return ScaledArray(bind_eqn(eqn, [data])[0], scale)
+    if r == 1.0:  # at most 3 terms: summed in the carrier dtype, like the plain program
+        return ScaledArray(bind_eqn(eqn, [x.data])[0], scale)
+    (out,) = bind_eqn(eqn, [cast(x.data, F32)])
+    return ScaledArray(cast(lax.mul(out, np.float32(1.0 / r)), x.data.dtype), scale)
 
 
 @register_rule(

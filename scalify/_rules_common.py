@@ -6,6 +6,7 @@ block structure of a carrier is read from the shapes alone (``block = data.shape
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -16,7 +17,7 @@ from jax import lax
 
 from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
 from scalify._jax_compat import bind_eqn, is_tracer
-from scalify._scaled_array import ScaledArray, expand_scale
+from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 F32 = jnp.float32
 
@@ -62,10 +63,34 @@ def out_aval(eqn, i=0):
     return eqn.outvars[i].aval
 
 
+# Traced arrays known to be filled with one static value (``broadcast_in_dim`` of a literal, such as
+# the zeros of a relu or ``where`` cotangent), keyed by id for the jaxpr being interpreted.
+_FILLS: list[dict[int, tuple[object, float]]] = []
+
+
+@contextlib.contextmanager
+def fill_scope():
+    """A fresh table of known fills for one jaxpr evaluation (see :func:`note_fill`)."""
+    _FILLS.append({})
+    try:
+        yield
+    finally:
+        _FILLS.pop()
+
+
+def note_fill(x, value: float):
+    """Record that the traced array ``x`` holds ``value`` everywhere (it counts as a static scalar)."""
+    if _FILLS:
+        _FILLS[-1][id(x)] = (x, value)  # the reference keeps the id from being reused
+
+
 def static_scalar(x):
-    """The Python float of a concrete size-1 array or scalar, else None."""
-    if is_scaled(x) or is_tracer(x):
+    """The Python float of a concrete size-1 array or scalar, or of a known fill; else None."""
+    if is_scaled(x):
         return None
+    if is_tracer(x):
+        hit = _FILLS[-1].get(id(x)) if _FILLS else None
+        return hit[1] if hit is not None and hit[0] is x else None
     arr = np.asarray(x)
     if arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
         return None
@@ -100,7 +125,7 @@ def promote(x, *, zero_adopts=True):
             return ScaledArray(arr, ZERO)
         if np.isfinite(v) and v != 0.0:
             s = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
-            return ScaledArray(jnp.asarray(v / s, arr.dtype).reshape(arr.shape), jnp.asarray(s, F32))
+            return ScaledArray(lax.full(arr.shape, v / s, arr.dtype), jnp.asarray(s, F32))
     return ScaledArray(arr, jnp.ones((), F32))
 
 
@@ -111,14 +136,13 @@ def fold(x: ScaledArray) -> ScaledArray:
     smax = jnp.max(x.scale)
     if get_config().rounding_mode != Pow2RoundMode.NONE:
         smax = pow2_round_up(smax)
-    ratio = expand_scale(x.scale / smax, x.data.shape)
-    return ScaledArray((x.data.astype(F32) * ratio).astype(x.data.dtype), smax)
+    return ScaledArray(rescale(x.data, lax.div(x.scale, smax)), smax)
 
 
 def dequant(x, dtype=F32):
     """The value of a scaled or plain operand as ``dtype`` (plain non-floats pass unchanged)."""
     if is_scaled(x):
-        return (x.data.astype(F32) * expand_scale(x.scale, x.data.shape)).astype(dtype)
+        return cast(lax.mul(cast(x.data, F32), expand_scale(x.scale, x.data.shape)), dtype)
     if not is_float(x):
         return x
     return jnp.asarray(x).astype(dtype)
@@ -126,8 +150,9 @@ def dequant(x, dtype=F32):
 
 def safe_scale(s):
     """Replace zero / non-finite scales by 1 (a tensor of zeros keeps scale 1)."""
-    s = jnp.asarray(s, F32)
-    return lax.select(lax.is_finite(s) & (s > 0), s, lax.full_like(s, 1.0))
+    s = cast(s, F32)
+    ok = lax.bitwise_and(lax.is_finite(s), lax.gt(s, lax.full_like(s, 0.0)))
+    return lax.select(ok, s, lax.full_like(s, 1.0))
 
 
 def renormalize(v, scale, dtype) -> ScaledArray:
@@ -188,15 +213,13 @@ def unit(v, dtype) -> ScaledArray:
 
 
 def rescale(data, ratio, dtype=None):
-    """``data * ratio`` computed in float32 and cast back (``ratio`` is a 0-d or grid scale)."""
+    """``data * ratio`` computed in float32 and cast to ``dtype`` (default: the data's own).
+
+    ``ratio`` is a 0-d or grid scale. Inlined, not staged: its signature is the data's shape, which
+    rarely repeats within a program, and a nested call costs more to lower than these few equations.
+    """
     dtype = data.dtype if dtype is None else dtype
-    return _rescale(data, ratio, dtype=np.dtype(dtype))
-
-
-@staged("dtype")
-def _rescale(data, ratio, *, dtype, mode):
-    del mode
-    return (data.astype(F32) * expand_scale(ratio, data.shape)).astype(dtype)
+    return cast(lax.mul(cast(data, F32), expand_scale(ratio, data.shape)), dtype)
 
 
 def _grid_shapes_compatible(xs):
@@ -217,12 +240,7 @@ def _grid_shapes_compatible(xs):
     return tuple(common)
 
 
-def combine_l2(scales):
-    return _combine_l2(tuple(scales))
-
-
-@staged()
-def _combine_l2(scales, *, mode):
+def _l2(scales, mode):
     """``sqrt(sum(s**2))`` rounded to a power of two, without squaring the scales themselves.
 
     The scales are normalised by their maximum first: squaring a raw scale leaves float32's range
@@ -232,23 +250,35 @@ def _combine_l2(scales, *, mode):
     """
     if len(scales) == 1:
         return pow2_round(jnp.asarray(scales[0], F32), mode)
-    m = safe_scale(combine_max(scales))
-    s2 = functools.reduce(jnp.add, [jnp.square(s / m) for s in scales])
-    return pow2_round(jnp.sqrt(s2) * m, mode)
+    m = safe_scale(_max(scales, mode))
+    s2 = functools.reduce(lax.add, [lax.square(s / m) for s in scales])
+    return pow2_round(lax.sqrt(s2) * m, mode)
 
 
-def combine_max(scales):
-    out = scales[0]
-    for s in scales[1:]:
-        out = jnp.maximum(out, s)
-    return out
+def _max(scales, mode):
+    """The largest scale (per block): operands with smaller scales shift right, none can overflow."""
+    del mode
+    return functools.reduce(lax.max, scales)
+
+
+combine_l2, combine_max = _l2, _max
+
+
+@staged("combine")
+def _common_scale(scales, *, combine, mode):
+    """The common scale ``c = combine(scales)`` and each operand's ratio ``s_i / c``, as one
+    nested computation (one equation per alignment instead of a combine and a division each)."""
+    common = combine(scales, mode)
+    return common, tuple(lax.div(s, common) for s in scales)
 
 
 def align(xs, combine=combine_max, *, dtype=None):
     """Bring scaled and plain operands to one common scale (per block).
 
-    Returns ``(datas, scale)`` with each data in its own dtype (or ``dtype``). Blocks that do not
-    line up are first folded to per-tensor.
+    ``combine`` is :func:`combine_max` (the largest scale: nothing can overflow) or
+    :func:`combine_l2` (jax-scalify's ``sqrt(sum(s**2))`` for sums). Returns ``(datas, scale)`` with
+    each data in its own dtype (or ``dtype``). Blocks that do not line up are first folded to
+    per-tensor; a static zero adopts the common scale.
     """
     ps = [promote(x) for x in xs]
     # Rank-0 operands (scalar literals) with a 0-d scale broadcast against any grid.
@@ -256,26 +286,30 @@ def align(xs, combine=combine_max, *, dtype=None):
     if grid_shape is None:
         ps = [fold(p) if p.scale is not ZERO else p for p in ps]
         grid_shape = ()
-    scales = [p.scale for p in ps if p.scale is not ZERO]
-    if len(scales) == 1:
-        common = scales[0]
+    live = [p for p in ps if p.scale is not ZERO]
+    if len(live) <= 1:
+        common, ratios = (live[0].scale if live else jnp.ones((), F32)), (None,) * len(live)
     else:
-        common = combine([jnp.broadcast_to(s, grid_shape) if grid_shape else s for s in scales])
+        scales = tuple(jnp.broadcast_to(p.scale, grid_shape) if grid_shape else p.scale for p in live)
+        common, ratios = _common_scale(scales, combine=combine)
+    ratio_of = dict(zip(map(id, live), ratios, strict=True))
+    out_shape = None
     datas = []
     for p in ps:
         dt = p.data.dtype if dtype is None else dtype
-        if p.scale is ZERO or (p.scale is common):
-            datas.append(p.data.astype(dt))
-        else:
-            ratio = p.scale / common
-            data = p.data
-            if jnp.ndim(ratio) > 0 and (
-                data.ndim != ratio.ndim or any(g > n for g, n in zip(ratio.shape, data.shape, strict=True))
-            ):
-                # Scalar operands and the implicit size-1 broadcasting of lax binary ops: a block
-                # grid needs the data at the output shape.
-                data = jnp.broadcast_to(data, np.broadcast_shapes(*[q.data.shape for q in ps]))
-            datas.append(rescale(data, ratio, dt))
+        ratio = ratio_of.get(id(p))
+        if ratio is None:
+            datas.append(cast(p.data, dt))
+            continue
+        data = p.data
+        if jnp.ndim(ratio) > 0 and (
+            data.ndim != ratio.ndim or any(g > n for g, n in zip(ratio.shape, data.shape, strict=True))
+        ):
+            # Scalar operands and the implicit size-1 broadcasting of lax binary ops: a block
+            # grid needs the data at the output shape.
+            out_shape = out_shape or np.broadcast_shapes(*[q.data.shape for q in ps])
+            data = jnp.broadcast_to(data, out_shape)
+        datas.append(rescale(data, ratio, dt))
     return datas, common
 
 
@@ -289,7 +323,7 @@ def pow2_ceil_np(x: float) -> float:
 
 def times(scale, r: float):
     """``scale * r`` for a static ``r``; no equation when ``r == 1``."""
-    return scale if r == 1.0 else scale * r
+    return scale if r == 1.0 else lax.mul(cast(scale, F32), np.float32(r))
 
 
 def sqrt_rescale(n: int) -> float:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scalify._config import get_config
-from scalify._jax_compat import bind_eqn, p
+from scalify._jax_compat import bind_eqn, bind_eqn_with, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
@@ -38,7 +39,7 @@ from scalify._rules_common import (
     static_scalar,
     times,
 )
-from scalify._scaled_array import ScaledArray, expand_scale
+from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 
 def _binary(eqn, a, b, op_scale):
@@ -62,7 +63,7 @@ def _mul(eqn, a, b):
         # data 0 and scale inf. Moving each block's amax (a power of two) into the scale is exact.
         a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
         b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
-    return _binary(eqn, a, b, lambda x, y: x * y)
+    return _binary(eqn, a, b, lax.mul)
 
 
 @register_rule(
@@ -79,9 +80,9 @@ def _div(eqn, a, b):
     if not jnp.issubdtype(out_dtype, jnp.floating) or static_scalar(b) not in (None, 0.0):
         # A static divisor is split into 2^k * [1, 2): the data at most halves, nothing to renormalise.
         (data,) = bind_eqn(eqn, [pa.data, pb.data])
-        return ScaledArray(data, pa.scale / pb.scale)
-    q = eqn.primitive.bind(pa.data.astype(F32), pb.data.astype(F32))
-    scale = _grid_of(pa.scale / pb.scale, q.ndim)
+        return ScaledArray(data, lax.div(pa.scale, pb.scale))
+    q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
+    scale = _grid_of(lax.div(pa.scale, pb.scale), q.ndim)
     return renormalize(q, scale, out_dtype)
 
 
@@ -116,6 +117,23 @@ def _dequant_dot(eqn, a, b):
     return _finish(out, eqn.outvars[0].aval.dtype)
 
 
+def _contract(eqn, da, db, r: float):
+    """``eqn`` (a dot or convolution) on the data, divided by the growth allowance ``r`` (2^k).
+
+    A floating result is accumulated in float32 and rounded once after the division: the
+    allowance then guards the carrier dtype against the sum's growth, instead of being applied
+    to an already rounded (possibly overflowed) carrier-dtype result.
+    """
+    if r == 1.0:
+        return bind_eqn(eqn, [da, db])[0]
+    dtype = eqn.params.get("preferred_element_type") or jnp.result_type(da.dtype, db.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        (data,) = bind_eqn(eqn, [da, db])
+        return lax.mul(data, np.asarray(1.0 / r, data.dtype))
+    (acc,) = bind_eqn_with(eqn, [da, db], preferred_element_type=F32)
+    return cast(lax.mul(acc, np.float32(1.0 / r)), dtype)
+
+
 # Per-block products materialise one partial result per block (g times the output); below this block
 # length (e.g. per-channel scales meeting on a contracted axis: blocks of 1) dequantizing is cheaper.
 _MIN_PRODUCT_BLOCK = 16
@@ -140,10 +158,8 @@ def _dot_general(eqn, a, b):
     k = math.prod(a.data.shape[i] for i in lc)
     r = sqrt_rescale(k)
     if per_tensor(a) and per_tensor(b):
-        (data,) = bind_eqn(eqn, [a.data, b.data])
-        if r != 1.0:
-            data = data * jnp.asarray(1.0 / r, data.dtype)
-        return _output_format(ScaledArray(data, times(a.scale * b.scale, r)), out_dtype)
+        data = _contract(eqn, a.data, b.data, r)
+        return _output_format(ScaledArray(data, times(lax.mul(a.scale, b.scale), r)), out_dtype)
     ga, gb = _grid(a), _grid(b)
     # Batch grids must agree (or broadcast from 1).
     bshape_a, bshape_b = list(ga.shape), list(gb.shape)
@@ -156,9 +172,7 @@ def _dot_general(eqn, a, b):
     blocked = [(i, j) for i, j in zip(lc, rc, strict=True) if ga.shape[i] != 1 or gb.shape[j] != 1]
     grid_params = dict(eqn.params, preferred_element_type=F32)
     if not blocked:
-        (data,) = bind_eqn(eqn, [a.data, b.data])
-        if r != 1.0:
-            data = data * jnp.asarray(1.0 / r, data.dtype)
+        data = _contract(eqn, a.data, b.data, r)
         scale = times(lax.dot_general_p.bind(ga, gb, **grid_params), r)
         return _output_format(ScaledArray(data, scale), out_dtype)
     if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
@@ -189,7 +203,5 @@ def _conv(eqn, lhs, rhs):
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec
     fan_in = math.prod(rhs.data.shape) // rhs.data.shape[rhs_spec[0]]
     r = sqrt_rescale(fan_in)
-    (data,) = bind_eqn(eqn, [lhs.data, rhs.data])
-    if r != 1.0:
-        data = data * jnp.asarray(1.0 / r, data.dtype)
-    return ScaledArray(data, times(lhs.scale * rhs.scale, r))
+    data = _contract(eqn, lhs.data, rhs.data, r)
+    return ScaledArray(data, times(lax.mul(lhs.scale, rhs.scale), r))

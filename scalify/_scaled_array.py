@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import qformats as qf
 
@@ -102,9 +103,20 @@ def is_scaled_leaf(x) -> bool:
     return isinstance(x, ScaledArray)
 
 
+def cast(x, dtype):
+    """``x`` as an array of ``dtype``; no equation when it already is one.
+
+    Rules call this instead of ``jnp.asarray``/``astype``: those go through NumPy-style dispatch,
+    which costs more to trace than the conversion itself.
+    """
+    if isinstance(x, jax.Array) and x.dtype == dtype:
+        return x
+    return lax.convert_element_type(x, dtype)
+
+
 def expand_scale(scale, shape):
     """Broadcast a 0-d or rank-matched block-grid ``scale`` to ``shape`` (float32)."""
-    scale = jnp.asarray(scale, jnp.float32)
+    scale = cast(scale, jnp.float32)
     shape = tuple(shape)
     if scale.ndim == 0 or tuple(scale.shape) == shape:
         return scale
@@ -138,8 +150,8 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
     Talks to the format protocol only (``decode`` and ``scale_values``), so it serves every format.
     """
     if x.fmt is None:
-        data = jnp.asarray(x.data)
-        scale = normalize_scale(jnp.asarray(x.scale, jnp.float32), data.shape)
+        data = x.data if isinstance(x.data, jax.Array) else jnp.asarray(x.data)
+        scale = normalize_scale(cast(x.scale, jnp.float32), data.shape)
         if scale is x.scale and data is x.data:
             return x
         return ScaledArray(data, scale)
