@@ -1,8 +1,11 @@
 """Additive rules: operands are brought to a common scale (per block), then data is summed.
 
 Per-tensor operands follow jax-scalify: the common scale of ``a + b`` is ``sqrt(sa**2 + sb**2)``
-rounded to a power of two. Sums over ``n`` terms (reduce_sum, cumsum, reduce_window_sum) pre-scale
-the data by a power of two near ``1/sqrt(n)`` so the accumulation cannot overflow the carrier dtype.
+rounded to a power of two; the rescaled data are summed in float32 and rounded to the carrier dtype
+once (a power-of-two rescale is exact in float32, so this is the carrier-dtype sum without the extra
+roundings of rescaling in the carrier first). Sums over ``n`` terms (reduce_sum, cumsum,
+reduce_window_sum) accumulate in float32 and divide by a power of two near ``sqrt(n)`` before the
+one rounding, so the result cannot overflow the carrier dtype.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ register_rule(
     [p.add_p, p.sub_p, add_any_p],
     "additive",
     "common scale sqrt(sa^2+sb^2) rounded to a power of two, per block when blocks line up "
-    "(else folded to per-tensor); output carrier. With a plain (non-static) operand: float32 sum "
-    "re-quantized per block (scale = block amax rounded to 2^k).",
+    "(else folded to per-tensor); rescaled data summed in float32, rounded once to the carrier. "
+    "With a plain (non-static) operand: float32 sum re-quantized per block (scale = block amax "
+    "rounded to 2^k).",
 )(_add)
 
 
@@ -89,8 +93,8 @@ def _prescaled_sum(eqn, x: ScaledArray, n: int, scale=None) -> ScaledArray:
 @register_rule(
     [p.reduce_sum_p],
     "additive",
-    "data pre-scaled by 2^-k ~ 1/sqrt(n), summed; scale * 2^k. Block scales kept when blocks span the "
-    "reduced axes (per-channel), else folded to per-tensor.",
+    "data summed in float32 (n > 3 terms), times 2^-k ~ 1/sqrt(n), rounded once to the carrier; scale * 2^k. "
+    "Block scales kept when blocks span the reduced axes (per-channel), else folded to per-tensor.",
 )
 def _reduce_sum(eqn, x):
     axes = tuple(eqn.params["axes"])

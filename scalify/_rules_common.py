@@ -209,7 +209,7 @@ def requant(v, dtype) -> ScaledArray:
 
 def unit(v, dtype) -> ScaledArray:
     """Carrier with scale 1 (for bounded outputs such as tanh or logistic)."""
-    return ScaledArray(jnp.asarray(v).astype(dtype), jnp.ones((), F32))
+    return ScaledArray(cast(v, dtype), jnp.ones((), F32))
 
 
 def rescale(data, ratio, dtype=None):

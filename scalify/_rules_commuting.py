@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from scalify._jax_compat import bind_eqn, lax_primitive, p
 from scalify._registry import register_rule
@@ -83,7 +84,7 @@ def _sign(eqn, x):
 
 @register_rule(p.is_finite_p, "commuting", "is_finite(data) & is_finite(scale); plain bool output.")
 def _is_finite(eqn, x):
-    return jnp.isfinite(x.data) & jnp.isfinite(expand_scale(x.scale, x.data.shape))
+    return lax.bitwise_and(lax.is_finite(x.data), lax.is_finite(expand_scale(x.scale, x.data.shape)))
 
 
 def _gather_like(eqn, x, *rest):

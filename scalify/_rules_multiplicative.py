@@ -4,7 +4,8 @@ Contractions:
 
 * no operand has a block boundary along a contracted axis (per-tensor, per-channel on a free axis):
   the scales factor out of the sum, ``out = dot(dA, dB) / r`` with scale ``grid(sA) x grid(sB) * r``
-  where ``r`` is a power of two near ``sqrt(K)`` (jax-scalify's growth allowance);
+  where ``r`` is a power of two near ``sqrt(K)`` (jax-scalify's growth allowance); the dot accumulates
+  in float32 and is rounded to the carrier dtype once, after the division;
 * both operands blocked along one contracted axis with the same number of blocks of at least 16
   elements (the MX and NVFP4 layouts: activations blocked on their last axis, weights blocked on their
   first): per-block products ``sum_j sA_j * sB_j * dot(P_A_j, P_B_j)`` accumulated in float32, no
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._config import get_config
+from scalify._config import Pow2RoundMode, get_config, pow2_round_np
 from scalify._jax_compat import bind_eqn, bind_eqn_with, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
@@ -41,6 +42,9 @@ from scalify._rules_common import (
 )
 from scalify._scaled_array import ScaledArray, cast, expand_scale
 
+# Equation parameters hold NumPy dtypes (other interpreters, such as amp, read them as dtypes).
+_F32_DTYPE = np.dtype(np.float32)
+
 
 def _binary(eqn, a, b, op_scale):
     pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
@@ -57,6 +61,10 @@ def _binary(eqn, a, b, op_scale):
     "runtime scaled operands are renormalised per block first, so their data product stays in range.",
 )
 def _mul(eqn, a, b):
+    for x, y in ((a, b), (b, a)):
+        v = static_scalar(y)
+        if is_scaled(x) and v is not None and v != 0.0 and np.isfinite(v) and _same_shape(eqn, x):
+            return _times_static(x, v)
     if is_scaled(a) and is_scaled(b) and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
         # Data that drifted far from 1 (a per-tensor dot passes scales on without renormalising)
         # would underflow or overflow when squared (g * g in Adam): data 1e-25 with scale 1e20 gives
@@ -77,13 +85,45 @@ def _div(eqn, a, b):
     if _grid_shapes_compatible([pa, pb]) is None:
         pa, pb = fold(pa), fold(pb)
     out_dtype = eqn.outvars[0].aval.dtype
-    if not jnp.issubdtype(out_dtype, jnp.floating) or static_scalar(b) not in (None, 0.0):
+    v = static_scalar(b)
+    if is_scaled(a) and v is not None and v != 0.0 and np.isfinite(v) and _same_shape(eqn, a):
+        return _times_static(a, 1.0 / v) if _is_pow2(v) else _over_static(a, v)
+    if not jnp.issubdtype(out_dtype, jnp.floating) or v not in (None, 0.0):
         # A static divisor is split into 2^k * [1, 2): the data at most halves, nothing to renormalise.
         (data,) = bind_eqn(eqn, [pa.data, pb.data])
         return ScaledArray(data, lax.div(pa.scale, pb.scale))
     q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
     scale = _grid_of(lax.div(pa.scale, pb.scale), q.ndim)
     return renormalize(q, scale, out_dtype)
+
+
+def _same_shape(eqn, x: ScaledArray) -> bool:
+    """Whether ``x``'s data already has the output shape (no implicit broadcast of ``x``)."""
+    aval = eqn.outvars[0].aval
+    return tuple(x.data.shape) == tuple(aval.shape) and jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _is_pow2(v: float) -> bool:
+    return np.frexp(abs(v))[0] == 0.5
+
+
+def _times_static(x: ScaledArray, v: float) -> ScaledArray:
+    """``x * v`` for a static ``v = m * 2^e`` (``1 <= |m| < 2``): data * m, scale * 2^e.
+
+    A power of two (``m = 1``) only touches the scale; the mantissa is a single carrier-dtype
+    multiply, as in the plain program.
+    """
+    e = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
+    m = v / e
+    data = x.data if m == 1.0 else lax.mul(x.data, np.asarray(m, x.data.dtype))
+    return ScaledArray(data, times(x.scale, e))
+
+
+def _over_static(x: ScaledArray, v: float) -> ScaledArray:
+    """``x / v`` for a static ``v = m * 2^e``: data / m, scale / 2^e (the data at most halves)."""
+    e = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
+    data = lax.div(x.data, np.asarray(v / e, x.data.dtype))
+    return ScaledArray(data, times(x.scale, 1.0 / e))
 
 
 def _grid_of(scale, ndim):
@@ -112,7 +152,7 @@ def _output_format(out, dtype):
 
 
 def _dequant_dot(eqn, a, b):
-    params = dict(eqn.params, preferred_element_type=F32)
+    params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
     out = lax.dot_general_p.bind(dequant(a), dequant(b), **params)
     return _finish(out, eqn.outvars[0].aval.dtype)
 
@@ -130,7 +170,7 @@ def _contract(eqn, da, db, r: float):
     if not jnp.issubdtype(dtype, jnp.floating):
         (data,) = bind_eqn(eqn, [da, db])
         return lax.mul(data, np.asarray(1.0 / r, data.dtype))
-    (acc,) = bind_eqn_with(eqn, [da, db], preferred_element_type=F32)
+    (acc,) = bind_eqn_with(eqn, [da, db], preferred_element_type=_F32_DTYPE)
     return cast(lax.mul(acc, np.float32(1.0 / r)), dtype)
 
 
@@ -147,9 +187,9 @@ def _split_axis(x, axis, g):
 @register_rule(
     p.dot_general_p,
     "multiplicative",
-    "unblocked contraction: dot(data)/2^k, scales multiplied (grid outer product) * 2^k; both blocked "
-    "along the contracted axis (blocks >= 16): per-block products in float32 -> per-tensor carrier; other layouts: "
-    "dequantize, float32 dot, per-tensor carrier.",
+    "unblocked contraction: dot(data) accumulated in float32, /2^k, rounded once; scales multiplied "
+    "(grid outer product) * 2^k; both blocked along the contracted axis (blocks >= 16): per-block "
+    "products in float32 -> per-tensor carrier; other layouts: dequantize, float32 dot, per-tensor carrier.",
 )
 def _dot_general(eqn, a, b):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -170,7 +210,7 @@ def _dot_general(eqn, a, b):
         bshape_a[i] = bshape_b[j] = max(m, n)
     ga, gb = jnp.broadcast_to(ga, bshape_a), jnp.broadcast_to(gb, bshape_b)
     blocked = [(i, j) for i, j in zip(lc, rc, strict=True) if ga.shape[i] != 1 or gb.shape[j] != 1]
-    grid_params = dict(eqn.params, preferred_element_type=F32)
+    grid_params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
     if not blocked:
         data = _contract(eqn, a.data, b.data, r)
         scale = times(lax.dot_general_p.bind(ga, gb, **grid_params), r)
@@ -187,8 +227,8 @@ def _dot_general(eqn, a, b):
         (tuple(c + 1 if c >= i else c for c in lc), tuple(c + 1 if c >= j else c for c in rc)),
         ((i, *(d + 1 if d >= i else d for d in lb)), (j, *(d + 1 if d >= j else d for d in rb))),
     )
-    partial = lax.dot_general(da, db, dims, preferred_element_type=F32)  # (g, batch..., free...)
-    sgrid = lax.dot_general(sa, sb, dims, preferred_element_type=F32)
+    partial = lax.dot_general(da, db, dims, preferred_element_type=_F32_DTYPE)  # (g, batch..., free...)
+    sgrid = lax.dot_general(sa, sb, dims, preferred_element_type=_F32_DTYPE)
     value = jnp.sum(partial * expand_scale(sgrid, partial.shape), axis=0)
     return _finish(value, out_dtype)
 
@@ -196,7 +236,8 @@ def _dot_general(eqn, a, b):
 @register_rule(
     p.conv_general_dilated_p,
     "multiplicative",
-    "operands folded to per-tensor; conv(data)/2^k with 2^k ~ sqrt(kernel fan-in); scale product * 2^k.",
+    "operands folded to per-tensor; conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; "
+    "scale product * 2^k.",
 )
 def _conv(eqn, lhs, rhs):
     lhs, rhs = fold(promote(lhs, zero_adopts=False)), fold(promote(rhs, zero_adopts=False))

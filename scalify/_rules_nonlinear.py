@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from scalify._config import pow2_round
 from scalify._jax_compat import bind_eqn, p
 from scalify._registry import register_rule
-from scalify._rules_common import F32, dequant, requant, safe_scale, unit
-from scalify._scaled_array import ScaledArray, expand_scale
+from scalify._rules_common import F32, dequant, requant, rescale, safe_scale, unit
+from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 
 def _prims(*names):
@@ -54,7 +56,7 @@ def _bounded(eqn, *xs):
 
 @register_rule(p.log_p, "nonlinear", "log(data) + log(scale) in float32; output carrier with scale 1.")
 def _log(eqn, x):
-    val = jnp.log(x.data.astype(F32)) + expand_scale(jnp.log(x.scale), x.data.shape)
+    val = lax.add(lax.log(cast(x.data, F32)), expand_scale(lax.log(x.scale), x.data.shape))
     return unit(val, _out_dtype(eqn))
 
 
@@ -67,18 +69,17 @@ def _root(eqn, x, fn):
     s_exact = fn(x.scale)
     s_new = safe_scale(pow2_round(s_exact))
     (data,) = bind_eqn(eqn, [x.data])
-    corr = s_exact / s_new
-    return ScaledArray((data.astype(F32) * expand_scale(corr, data.shape)).astype(data.dtype), s_new)
+    return ScaledArray(rescale(data, lax.div(s_exact, s_new)), s_new)
 
 
 register_rule(p.sqrt_p, "nonlinear", "sqrt(data), scale sqrt(scale) rounded to 2^k (remainder folded into data).")(
-    lambda eqn, x: _root(eqn, x, jnp.sqrt)
+    lambda eqn, x: _root(eqn, x, lax.sqrt)
 )
 register_rule(p.rsqrt_p, "nonlinear", "rsqrt(data), scale rsqrt(scale) rounded to 2^k (remainder folded into data).")(
-    lambda eqn, x: _root(eqn, x, lambda s: 1.0 / jnp.sqrt(s))
+    lambda eqn, x: _root(eqn, x, lambda s: lax.div(np.float32(1.0), lax.sqrt(s)))
 )
 register_rule(p.cbrt_p, "nonlinear", "cbrt(data), scale cbrt(scale) rounded to 2^k (remainder folded into data).")(
-    lambda eqn, x: _root(eqn, x, jnp.cbrt)
+    lambda eqn, x: _root(eqn, x, lax.cbrt)
 )
 
 
@@ -86,13 +87,13 @@ register_rule(p.cbrt_p, "nonlinear", "cbrt(data), scale cbrt(scale) rounded to 2
 def _integer_pow(eqn, x):
     y = eqn.params["y"]
     (data,) = bind_eqn(eqn, [x.data])
-    return ScaledArray(data, x.scale**y)
+    return ScaledArray(data, lax.integer_pow(x.scale, y))
 
 
 @register_rule(p.square_p, "nonlinear", "data**2, scale**2.")
 def _square(eqn, x):
     (data,) = bind_eqn(eqn, [x.data])
-    return ScaledArray(data, x.scale * x.scale)
+    return ScaledArray(data, lax.mul(x.scale, x.scale))
 
 
 _GENERIC = _prims(

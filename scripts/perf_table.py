@@ -170,18 +170,27 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, help="asv results JSON (default: the newest one)")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--print", action="store_true", help="print the table instead of editing the doc")
+    ap.add_argument(
+        "--only",
+        choices=("formats", "scalify"),
+        help="write one table (for a results file of `asv run --bench bench_formats` or `bench_scalify`)",
+    )
     args = ap.parse_args(argv)
     path = args.results or newest_results_file()
     results, header = load(path)
-    text = table(results, header, path.resolve())
-    scalify_text = scalify_table(results)
+    parts = []
+    if args.only in (None, "formats"):
+        parts.append((START, END, table(results, header, path.resolve())))
+    if args.only in (None, "scalify"):
+        parts.append((SCALIFY_START, SCALIFY_END, scalify_table(results)))
     if args.print:
-        print(text, scalify_text, sep="\n\n")
+        print(*(text for _, _, text in parts), sep="\n\n")
         return 0
-    doc = _replace(args.doc.read_text(), START, END, text, args.doc)
-    doc = _replace(doc, SCALIFY_START, SCALIFY_END, scalify_text, args.doc)
+    doc = args.doc.read_text()
+    for start, end, text in parts:
+        doc = _replace(doc, start, end, text, args.doc)
     args.doc.write_text(doc)
-    print(f"wrote the results table of {path.name} into {args.doc}")
+    print(f"wrote the results of {path.name} into {args.doc}")
     return 0
 
 

@@ -148,3 +148,10 @@ def test_perf_table_from_asv_results(tmp_path, capsys):
     assert "| mxfp8 | 1.30 | n/a | n/a | n/a |" in text
     assert "| mxfp8 | 1.80 ✓ (2.0) | 1.20 ✓ (1.5) | 8.250 |" in text
     assert "| nvfp4 | 2.70 ✓ (3.0) | n/a (2.0) | 4.500 |" in text
+    # `--only scalify` rewrites the scalify table and leaves the formats table as it was.
+    doc.write_text(
+        f"{perf_table.START}\nkept\n{perf_table.END}\n{perf_table.SCALIFY_START}\nstale\n{perf_table.SCALIFY_END}\n"
+    )
+    assert perf_table.main(["--results", str(path), "--doc", str(doc), "--only", "scalify"]) == 0
+    text = doc.read_text()
+    assert "kept" in text and "stale" not in text and "step **1.020**" in text
