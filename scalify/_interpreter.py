@@ -6,11 +6,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scalify._config import get_config
 from scalify._jax_compat import DropVar, Literal, bind_eqn, logical_aval, p, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
-from scalify._rules_common import fill_scope, isolate_scale, note_fill
+from scalify._rules_common import fill_scope, isolate_scale, note_fill, static_scalar
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
 
 # Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
@@ -102,13 +103,20 @@ def _seal(x, sealed: dict):
     return x
 
 
-def _note_literal_fill(eqn, outs):
-    """A broadcast of a float literal (the zeros of a relu or ``where`` cotangent) is a static fill:
-    rules then treat it like the scalar (a zero adopts the other operands' scale, no rescale)."""
-    if eqn.primitive is p.broadcast_in_dim_p and len(eqn.invars) == 1 and isinstance(eqn.invars[0], Literal):
-        value = eqn.invars[0].val
-        if jnp.issubdtype(jnp.result_type(value), jnp.floating):
-            note_fill(outs[0], float(value))
+# A fill stays a fill through these (one operand; the value only changes dtype).
+_FILL_PRESERVING = (p.broadcast_in_dim_p, p.convert_element_type_p, p.reshape_p)
+
+
+def _note_fill(eqn, invals, outs):
+    """A broadcast (or cast, or reshape) of a static scalar, such as the zeros of a relu or ``where``
+    cotangent, is a static fill: rules then treat it like the scalar (a zero adopts the other
+    operands' scale, a power of two only touches the scale)."""
+    if eqn.primitive not in _FILL_PRESERVING or len(invals) != 1:
+        return
+    value = static_scalar(invals[0])
+    dtype = eqn.outvars[0].aval.dtype
+    if value is not None and jnp.issubdtype(dtype, jnp.floating):
+        note_fill(outs[0], float(np.asarray(value, dtype)))
 
 
 def eval_jaxpr(jaxpr, consts, *args):
@@ -153,7 +161,7 @@ def _eval_jaxpr(jaxpr, consts, *args):
                 outs = _maybe_keep_format(rule, invals, list(outs))
         else:
             outs = bind_eqn(eqn, invals)
-            _note_literal_fill(eqn, outs)
+            _note_fill(eqn, invals, outs)
         for v, o in zip(eqn.outvars, outs, strict=True):
             write(v, o)
     return [read(v) for v in jaxpr.outvars]

@@ -43,14 +43,24 @@ from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_
 _JIT_CACHE: dict = {}
 
 
-def _cached_jit(closed, name):
-    key = (id(closed), get_config())
+def _static_literal(x) -> bool:
+    """A concrete scalar operand (a literal such as ``jnp.where``'s ``0.0``), not an array input."""
+    return not isinstance(x, (ScaledArray, jax.Array)) and np.ndim(x) == 0
+
+
+def _cached_jit(closed, name, statics=()):
+    """``jax.jit`` of the interpreted ``closed`` jaxpr; ``statics`` ((index, value) pairs) are baked
+    in, so a literal operand stays a static scalar inside the body (a zero fill adopts scales)."""
+    key = (id(closed), get_config(), statics)
     hit = _JIT_CACHE.get(key)
     if hit is not None and hit[0] is closed:
         return hit[1]
+    n = len(closed.jaxpr.invars)
 
     def body(*args):
-        return eval_closed(closed, *args)
+        dynamic = iter(args)
+        fixed = dict(statics)
+        return eval_closed(closed, *(fixed[i] if i in fixed else next(dynamic) for i in range(n)))
 
     body.__name__ = str(name)
     fn = jax.jit(body)
@@ -62,7 +72,9 @@ def _cached_jit(closed, name):
 
 @register_rule([jit_p], "control", "nested jit of the interpreted body (stays a jit in the output program).", raw=True)
 def _jit(eqn, *args):
-    return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"))(*args)
+    statics = tuple((i, a) for i, a in enumerate(args) if _static_literal(a))
+    dynamic = [a for a in args if not _static_literal(a)]
+    return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"), statics)(*dynamic)
 
 
 @register_rule([closed_call_p], "control", "interpreted body inlined.", raw=True)

@@ -199,3 +199,62 @@ def test_dynamic_rescale_l2_of_tiny_data_is_not_a_no_op():
         rms = np.sqrt(np.mean(np.asarray(t.data, np.float64) ** 2))
         assert 0.5 <= float(np.max(np.abs(np.asarray(out.data)))) / (3e-20 / rms) <= 2.0
         np.testing.assert_allclose(_deq(out), _deq(t), rtol=RTOL_F32)
+
+
+def test_where_zero_branch_adopts_the_scale():
+    """``where(x > 0, x, 0)`` (relu's cotangent pattern): the broadcast zero adopts ``x``'s scale.
+
+    Promoted as a plain array it had scale 1, the common scale became 1, and ``x``'s float16 data
+    (scale 2**-20) was rescaled into float16 subnormals: about 6% relative error at 1e-6.
+    """
+    x = RNG.uniform(-2.0, 2.0, (8, 32)).astype(np.float32)
+    sx = _carrier(x, dtype=jnp.float16, scale=np.float32(2.0**-20))
+    ref = np.where(_deq(sx) > 0, _deq(sx), 0.0)
+    for name, wrap in MODES.items():
+        out = wrap(jsa.scalify(lambda v: jnp.where(v > 0, v, 0.0)))(sx)
+        assert float(out.scale) == 2.0**-20, name
+        np.testing.assert_array_equal(_deq(out), ref, err_msg=name)
+
+
+def test_float16_sum_is_rounded_once():
+    """``a + b`` of float16 carriers is the float32 sum of the values rounded once to float16.
+
+    ``b``'s data rescaled by 2**-20 lands in float16 subnormals; rounding it there before the sum
+    (the carrier-dtype rescale) double-rounds, which the one float32 sum avoids.
+    """
+    a = (RNG.uniform(1.0, 2.0, (16, 64)) * 2.0**-14).astype(np.float16).astype(np.float32)
+    b = RNG.uniform(1.0, 2.0, (16, 64)).astype(np.float16).astype(np.float32)
+    sa = _carrier(a, dtype=jnp.float16, scale=np.float32(1.0))
+    sb = _carrier(b, dtype=jnp.float16, scale=np.float32(2.0**-20))
+    for name, wrap in MODES.items():
+        out = wrap(jsa.scalify(jnp.add))(sa, sb)
+        scale = np.float32(out.scale)
+        ref = ((a + b * np.float32(2.0**-20)) / scale).astype(np.float16)  # one rounding
+        np.testing.assert_array_equal(np.asarray(out.data), ref, err_msg=name)
+
+
+def test_float16_contraction_allowance_applies_before_rounding():
+    """A float16 dot of 1024 products of 8 * 8 sums to 65536, past float16's max (65504).
+
+    The sqrt(K) allowance (2**-5) used to divide the float16 result, which was already inf; the
+    contraction now accumulates in float32 and rounds once, after the division.
+    """
+    a = _carrier(np.full((4, 1024), 8.0, np.float32), dtype=jnp.float16, scale=np.float32(0.5))
+    b = _carrier(np.full((1024, 4), 8.0, np.float32), dtype=jnp.float16, scale=np.float32(0.25))
+    _check(jnp.matmul, (a, b), np.full((4, 4), 65536.0 * 0.125, np.float32), RTOL_F16)
+
+
+@pytest.mark.parametrize("factor", [4.0, -0.5, 0.01, 3.0])
+def test_static_multiplier_moves_its_power_of_two_into_the_scale(factor):
+    """``x * c`` for a static ``c = m * 2^e``: data * m, scale * 2^e (a power of two: data untouched)."""
+    x = RNG.standard_normal((4, 16)).astype(np.float32)
+    sx = _carrier(x, dtype=jnp.float16, scale=np.float32(2.0**-3))
+    m, e = np.frexp(abs(factor))
+    for name, wrap in MODES.items():
+        out = wrap(jsa.scalify(lambda v: v * factor))(sx)
+        assert float(out.scale) == 2.0**-3 * 2.0 ** (int(e) - 1), name
+        if abs(factor) == 2.0 ** (int(e) - 1):
+            np.testing.assert_array_equal(np.asarray(out.data), np.sign(factor) * np.asarray(sx.data), err_msg=name)
+        np.testing.assert_allclose(_deq(out), _deq(sx) * factor, rtol=RTOL_F16, err_msg=name)
+        div = wrap(jsa.scalify(lambda v: v / factor))(sx)
+        np.testing.assert_allclose(_deq(div), _deq(sx) / factor, rtol=RTOL_F16, err_msg=name)
