@@ -51,7 +51,8 @@ def _static_literal(x) -> bool:
 def _cached_jit(closed, name, statics=()):
     """``jax.jit`` of the interpreted ``closed`` jaxpr; ``statics`` ((index, value) pairs) are baked
     in, so a literal operand stays a static scalar inside the body (a zero fill adopts scales)."""
-    key = (id(closed), get_config(), statics)
+    # Literals may be unhashable ndarray subclasses: key on dtype and value.
+    key = (id(closed), get_config(), tuple((i, np.asarray(v).dtype.str, np.asarray(v).item()) for i, v in statics))
     hit = _JIT_CACHE.get(key)
     if hit is not None and hit[0] is closed:
         return hit[1]

@@ -59,6 +59,21 @@ def test_nested_jit_kept_in_program():
     assert any(e.primitive.name in ("jit", "pjit") for e in jaxpr.jaxpr.eqns)
 
 
+@pytest.mark.parametrize("factor", [3.0, 0.0])
+def test_nested_jit_with_literal_operands(factor):
+    """A literal operand of a nested jit (an unhashable ndarray subclass in the jaxpr) is baked into
+    the interpreted body as a static scalar: a power-of-two split for 3.0, a zero fill for 0.0."""
+    x = jsa.as_scaled_array(jnp.asarray(RNG.standard_normal((4, 8)), jnp.float32), scale=np.float32(2.0))
+
+    def f(v):
+        return jax.jit(lambda a, b: a * b + jnp.where(a > 0, a, b))(v, np.float32(factor))
+
+    ref = f(x.to_array())
+    for wrap in (lambda g: g, jax.jit):
+        out = wrap(jsa.scalify(f))(x)
+        np.testing.assert_allclose(np.asarray(out.to_array()), np.asarray(ref), rtol=1e-6)
+
+
 def test_jit_outside_and_inside():
     sx = make_scaled(X, None)
     f = lambda v: jax.nn.softmax(v) * v

@@ -249,7 +249,7 @@ def test_static_multiplier_moves_its_power_of_two_into_the_scale(factor):
     """``x * c`` for a static ``c = m * 2^e``: data * m, scale * 2^e (a power of two: data untouched)."""
     x = RNG.standard_normal((4, 16)).astype(np.float32)
     sx = _carrier(x, dtype=jnp.float16, scale=np.float32(2.0**-3))
-    m, e = np.frexp(abs(factor))
+    _, e = np.frexp(abs(factor))
     for name, wrap in MODES.items():
         out = wrap(jsa.scalify(lambda v: v * factor))(sx)
         assert float(out.scale) == 2.0**-3 * 2.0 ** (int(e) - 1), name
