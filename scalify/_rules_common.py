@@ -7,6 +7,7 @@ block structure of a carrier is read from the shapes alone (``block = data.shape
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 
@@ -64,24 +65,26 @@ def out_aval(eqn, i=0):
 
 
 # Traced arrays known to be filled with one static value (``broadcast_in_dim`` of a literal, such as
-# the zeros of a relu or ``where`` cotangent), keyed by id for the jaxpr being interpreted.
-_FILLS: list[dict[int, tuple[object, float]]] = []
+# the zeros of a relu or ``where`` cotangent), keyed by id, for the jaxpr being interpreted (per
+# thread and context, like the tracing itself).
+_FILLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("scalify_fills", default=None)
 
 
 @contextlib.contextmanager
 def fill_scope():
     """A fresh table of known fills for one jaxpr evaluation (see :func:`note_fill`)."""
-    _FILLS.append({})
+    token = _FILLS.set({})
     try:
         yield
     finally:
-        _FILLS.pop()
+        _FILLS.reset(token)
 
 
 def note_fill(x, value: float):
     """Record that the traced array ``x`` holds ``value`` everywhere (it counts as a static scalar)."""
-    if _FILLS:
-        _FILLS[-1][id(x)] = (x, value)  # the reference keeps the id from being reused
+    fills = _FILLS.get()
+    if fills is not None:
+        fills[id(x)] = (x, value)  # the reference keeps the id from being reused
 
 
 def static_scalar(x):
@@ -89,7 +92,8 @@ def static_scalar(x):
     if is_scaled(x):
         return None
     if is_tracer(x):
-        hit = _FILLS[-1].get(id(x)) if _FILLS else None
+        fills = _FILLS.get()
+        hit = fills.get(id(x)) if fills is not None else None
         return hit[1] if hit is not None and hit[0] is x else None
     arr = np.asarray(x)
     if arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
