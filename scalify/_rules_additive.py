@@ -77,15 +77,15 @@ def _prescaled_sum(eqn, x: ScaledArray, n: int, scale=None) -> ScaledArray:
     """A sum over ``n`` terms scaled by ``1/r`` (``r`` = 2^k ~ sqrt(n)); scale * r.
 
     Floating data is accumulated in float32 and the scaled sum rounded once to the carrier dtype,
-    so the accumulation cannot overflow it whatever ``n``.
+    so the accumulation cannot overflow it whatever ``n``. Integer data is summed as it is.
     """
-    r = sqrt_rescale(n)
-    scale = times(x.scale if scale is None else scale, r)
-    if not jnp.issubdtype(x.data.dtype, jnp.floating):
-        data = x.data if r == 1.0 else lax.mul(x.data, np.asarray(1.0 / r, x.data.dtype))
-        return ScaledArray(bind_eqn(eqn, [data])[0], scale)
-    if r == 1.0:  # at most 3 terms: summed in the carrier dtype, like the plain program
+    scale = x.scale if scale is None else scale
+    # Integer data sums exactly (a division would truncate it); at most 3 terms (r = 1) are summed
+    # in the carrier dtype, like the plain program.
+    r = sqrt_rescale(n) if jnp.issubdtype(x.data.dtype, jnp.floating) else 1.0
+    if r == 1.0:
         return ScaledArray(bind_eqn(eqn, [x.data])[0], scale)
+    scale = times(scale, r)
     (out,) = bind_eqn(eqn, [cast(x.data, F32)])
     return ScaledArray(cast(lax.mul(out, np.float32(1.0 / r)), x.data.dtype), scale)
 

@@ -113,6 +113,12 @@ def is_runtime_plain(x) -> bool:
     return not is_scaled(x) and is_float(x) and static_scalar(x) is None
 
 
+def split_static(v: float) -> tuple[float, float]:
+    """``(m, e)`` with ``v = m * e`` exactly: ``e`` a power of two, ``1 <= |m| < 2`` (``v`` finite, non-zero)."""
+    e = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
+    return v / e, e
+
+
 def promote(x, *, zero_adopts=True):
     """A carrier ScaledArray for a plain operand.
 
@@ -128,8 +134,8 @@ def promote(x, *, zero_adopts=True):
         if v == 0.0 and zero_adopts:
             return ScaledArray(arr, ZERO)
         if np.isfinite(v) and v != 0.0:
-            s = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
-            return ScaledArray(lax.full(arr.shape, v / s, arr.dtype), jnp.asarray(s, F32))
+            m, e = split_static(v)
+            return ScaledArray(lax.full(arr.shape, m, arr.dtype), jnp.asarray(e, F32))
     return ScaledArray(arr, jnp.ones((), F32))
 
 
@@ -244,7 +250,7 @@ def _grid_shapes_compatible(xs):
     return tuple(common)
 
 
-def _l2(scales, mode):
+def combine_l2(scales, mode):
     """``sqrt(sum(s**2))`` rounded to a power of two, without squaring the scales themselves.
 
     The scales are normalised by their maximum first: squaring a raw scale leaves float32's range
@@ -254,18 +260,15 @@ def _l2(scales, mode):
     """
     if len(scales) == 1:
         return pow2_round(jnp.asarray(scales[0], F32), mode)
-    m = safe_scale(_max(scales, mode))
+    m = safe_scale(combine_max(scales, mode))
     s2 = functools.reduce(lax.add, [lax.square(s / m) for s in scales])
     return pow2_round(lax.sqrt(s2) * m, mode)
 
 
-def _max(scales, mode):
+def combine_max(scales, mode):
     """The largest scale (per block): operands with smaller scales shift right, none can overflow."""
     del mode
     return functools.reduce(lax.max, scales)
-
-
-combine_l2, combine_max = _l2, _max
 
 
 @staged("combine")
@@ -315,10 +318,6 @@ def align(xs, combine=combine_max, *, dtype=None):
             data = jnp.broadcast_to(data, out_shape)
         datas.append(rescale(data, ratio, dt))
     return datas, common
-
-
-def expand_to(scale, shape):
-    return expand_scale(scale, shape)
 
 
 def pow2_ceil_np(x: float) -> float:

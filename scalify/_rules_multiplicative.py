@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._config import Pow2RoundMode, get_config, pow2_round_np
+from scalify._config import get_config
 from scalify._jax_compat import bind_eqn, bind_eqn_with, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
@@ -36,6 +36,7 @@ from scalify._rules_common import (
     promote,
     renormalize,
     requant,
+    split_static,
     sqrt_rescale,
     static_scalar,
     times,
@@ -113,16 +114,15 @@ def _times_static(x: ScaledArray, v: float) -> ScaledArray:
     A power of two (``m = 1``) only touches the scale; the mantissa is a single carrier-dtype
     multiply, as in the plain program.
     """
-    e = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
-    m = v / e
+    m, e = split_static(v)
     data = x.data if m == 1.0 else lax.mul(x.data, np.asarray(m, x.data.dtype))
     return ScaledArray(data, times(x.scale, e))
 
 
 def _over_static(x: ScaledArray, v: float) -> ScaledArray:
     """``x / v`` for a static ``v = m * 2^e``: data / m, scale / 2^e (the data at most halves)."""
-    e = pow2_round_np(abs(v), Pow2RoundMode.DOWN)
-    data = lax.div(x.data, np.asarray(v / e, x.data.dtype))
+    m, e = split_static(v)
+    data = lax.div(x.data, np.asarray(m, x.data.dtype))
     return ScaledArray(data, times(x.scale, 1.0 / e))
 
 
@@ -158,20 +158,19 @@ def _dequant_dot(eqn, a, b):
 
 
 def _contract(eqn, da, db, r: float):
-    """``eqn`` (a dot or convolution) on the data, divided by the growth allowance ``r`` (2^k).
+    """``(data, r)``: ``eqn`` (a dot or convolution) on the data, divided by the growth allowance
+    ``r`` (2^k), and the allowance actually applied (the caller multiplies the scale by it).
 
     A floating result is accumulated in float32 and rounded once after the division: the
     allowance then guards the carrier dtype against the sum's growth, instead of being applied
-    to an already rounded (possibly overflowed) carrier-dtype result.
+    to an already rounded (possibly overflowed) carrier-dtype result. An integer result is exact
+    as it is and would be truncated by the division: no allowance.
     """
-    if r == 1.0:
-        return bind_eqn(eqn, [da, db])[0]
     dtype = eqn.params.get("preferred_element_type") or jnp.result_type(da.dtype, db.dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        (data,) = bind_eqn(eqn, [da, db])
-        return lax.mul(data, np.asarray(1.0 / r, data.dtype))
+    if r == 1.0 or not jnp.issubdtype(dtype, jnp.floating):
+        return bind_eqn(eqn, [da, db])[0], 1.0
     (acc,) = bind_eqn_with(eqn, [da, db], preferred_element_type=_F32_DTYPE)
-    return cast(lax.mul(acc, np.float32(1.0 / r)), dtype)
+    return cast(lax.mul(acc, np.float32(1.0 / r)), dtype), r
 
 
 # Per-block products materialise one partial result per block (g times the output); below this block
@@ -198,7 +197,7 @@ def _dot_general(eqn, a, b):
     k = math.prod(a.data.shape[i] for i in lc)
     r = sqrt_rescale(k)
     if per_tensor(a) and per_tensor(b):
-        data = _contract(eqn, a.data, b.data, r)
+        data, r = _contract(eqn, a.data, b.data, r)
         return _output_format(ScaledArray(data, times(lax.mul(a.scale, b.scale), r)), out_dtype)
     ga, gb = _grid(a), _grid(b)
     # Batch grids must agree (or broadcast from 1).
@@ -212,7 +211,7 @@ def _dot_general(eqn, a, b):
     blocked = [(i, j) for i, j in zip(lc, rc, strict=True) if ga.shape[i] != 1 or gb.shape[j] != 1]
     grid_params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
     if not blocked:
-        data = _contract(eqn, a.data, b.data, r)
+        data, r = _contract(eqn, a.data, b.data, r)
         scale = times(lax.dot_general_p.bind(ga, gb, **grid_params), r)
         return _output_format(ScaledArray(data, scale), out_dtype)
     if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
@@ -244,5 +243,5 @@ def _conv(eqn, lhs, rhs):
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec
     fan_in = math.prod(rhs.data.shape) // rhs.data.shape[rhs_spec[0]]
     r = sqrt_rescale(fan_in)
-    data = _contract(eqn, lhs.data, rhs.data, r)
+    data, r = _contract(eqn, lhs.data, rhs.data, r)
     return ScaledArray(data, times(lax.mul(lhs.scale, rhs.scale), r))

@@ -258,3 +258,16 @@ def test_static_multiplier_moves_its_power_of_two_into_the_scale(factor):
         np.testing.assert_allclose(_deq(out), _deq(sx) * factor, rtol=RTOL_F16, err_msg=name)
         div = wrap(jsa.scalify(lambda v: v / factor))(sx)
         np.testing.assert_allclose(_deq(div), _deq(sx) / factor, rtol=RTOL_F16, err_msg=name)
+
+
+def test_integer_carriers_sum_and_contract_without_allowance():
+    """The sqrt(n) growth allowance divided integer data in its own dtype: 1 / 16 truncated to 0,
+    so ``sum``, ``cumsum`` and ``matmul`` of integer carriers returned zeros. Integers sum exactly."""
+    v = np.arange(16, dtype=np.int32)
+    sv = jsa.ScaledArray(jnp.asarray(v), jnp.float32(2.0))
+    a = jsa.ScaledArray(jnp.ones((2, 64), jnp.int32), jnp.float32(2.0))
+    b = jsa.ScaledArray(jnp.ones((64, 2), jnp.int32), jnp.float32(0.5))
+    for name, wrap in MODES.items():
+        np.testing.assert_array_equal(_deq(wrap(jsa.scalify(jnp.sum))(sv)), 2.0 * v.sum(), err_msg=name)
+        np.testing.assert_array_equal(_deq(wrap(jsa.scalify(jnp.cumsum))(sv)), 2.0 * np.cumsum(v), err_msg=name)
+        np.testing.assert_array_equal(_deq(wrap(jsa.scalify(jnp.matmul))(a, b)), np.full((2, 2), 64.0), err_msg=name)
