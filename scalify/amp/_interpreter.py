@@ -253,9 +253,10 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
         ``amp(compute_dtype=...)`` without ``fn`` returns a decorator.
       compute_dtype: the low-precision dtype handed to precision functions (default float16).
       amp_policy: dict from lax primitives or ``jax.named_scope`` names to precision functions
-        (jaxamp signature), dtypes or qformats formats. ``None`` means :data:`default_amp_policy`:
-        ``dot_general`` and ``conv_general_dilated`` in ``compute_dtype``, everything else in the
-        program's own precision.
+        (jaxamp signature), dtypes or qformats formats. ``None`` means :data:`default_amp_policy`
+        (jaxamp's): ``add``, ``sub``, ``dot_general`` and ``conv_general_dilated`` in ``compute_dtype``,
+        ``exp``, ``log``, ``mul`` and ``div`` in float32, everything else in the program's own
+        precision. :data:`matmul_amp_policy` changes only the matmul-like primitives.
 
     Returns:
       A function with ``fn``'s signature and output dtypes.

@@ -238,9 +238,24 @@ def as_precision_fn(value):
 
 MATMUL_PRIMITIVES = (lax.dot_general_p, lax.conv_general_dilated_p)
 
+LOW_PRECISION_PRIMITIVES = (lax.add_p, lax.sub_p, *MATMUL_PRIMITIVES)
+"""Primitives the default policy runs in ``compute_dtype`` (jaxamp's list)."""
+
+HIGH_PRECISION_PRIMITIVES = (lax.exp_p, lax.log_p, lax.mul_p, lax.div_p)
+"""Primitives the default policy runs in float32 whatever ``compute_dtype`` is (jaxamp's list)."""
+
 default_amp_policy: Mapping[Any, Any] = {
+    **{p: use_compute_precision for p in LOW_PRECISION_PRIMITIVES},
+    **{p: use_precision(jnp.float32) for p in HIGH_PRECISION_PRIMITIVES},
+    **{s: use_original_precision for s in STOP_SCOPES},
+}
+"""jaxamp's default policy: ``add``, ``sub``, ``dot_general`` and ``conv_general_dilated`` in
+``compute_dtype``; ``exp``, ``log``, ``mul`` and ``div`` in float32; everything else (reductions,
+comparisons, ``max``, ``tanh``, ...) in the precision the program gave it."""
+
+matmul_amp_policy: Mapping[Any, Any] = {
     **{p: use_compute_precision for p in MATMUL_PRIMITIVES},
     **{s: use_original_precision for s in STOP_SCOPES},
 }
-"""Matmul-like primitives in ``compute_dtype``; everything else (elementwise ops, reductions,
-normalisations, softmax, the loss) in the precision the program gave it."""
+"""Only matmul-like primitives in ``compute_dtype``; elementwise ops, reductions, normalisations and
+the loss keep the program's precision (scalify's default before jaxamp parity)."""

@@ -16,6 +16,7 @@ from scalify.amp import (
     amp_stop,
     default_amp_policy,
     fake_quantize,
+    matmul_amp_policy,
     use_compute_precision,
     use_original_precision,
 )
@@ -254,19 +255,31 @@ def test_amp_default_key_is_the_fallback_and_jaxamp_style_policy():
     def fn(x, w):
         return jnp.exp(x @ w) + x
 
+    x, w = _x(), _x(seed=1)
+    # the default policy keys exp (float32) and add (compute dtype) itself, so amp_default is not used
     policy = {**default_amp_policy, "amp_default": use_compute_precision}
-    jaxpr = jax.make_jaxpr(amp(fn, amp_policy=policy))(_x(), _x(seed=1))
+    jaxpr = jax.make_jaxpr(amp(fn, amp_policy=policy))(x, w)
+    assert prim_dtypes(jaxpr, "exp") == [(F32,)]
+    assert prim_dtypes(jaxpr, "add") == [(F16, F16)]
+    # matmul_amp_policy does not key them: amp_default is the fallback
+    policy = {**matmul_amp_policy, "amp_default": use_compute_precision}
+    jaxpr = jax.make_jaxpr(amp(fn, amp_policy=policy))(x, w)
     assert prim_dtypes(jaxpr, "exp") == [(F16,)]
     assert prim_dtypes(jaxpr, "add") == [(F16, F16)]
+    jaxpr = jax.make_jaxpr(amp(fn, amp_policy=matmul_amp_policy))(x, w)
+    assert prim_dtypes(jaxpr, "exp") == [(F32,)] and prim_dtypes(jaxpr, "add") == [(F32, F32)]
 
 
 def test_equinox_linear_matches_manual_half_precision():
     key = jax.random.key(0)
     lin = eqx.nn.Linear(16, 8, key=key)
     x = jax.random.normal(jax.random.key(1), (16,))
-    half = eqx.tree_at(lambda m: m.weight, lin, replace_fn=lambda w: w.astype(jnp.float16))
-    manual = (half.weight @ x.astype(jnp.float16)).astype(jnp.float32) + lin.bias
-    np.testing.assert_allclose(amp(lin)(x), manual, rtol=1e-6)
+    w16, b16, x16 = lin.weight.astype(jnp.float16), lin.bias.astype(jnp.float16), x.astype(jnp.float16)
+    # default (jaxamp) policy: the matmul and the bias add both in float16
+    np.testing.assert_array_equal(amp(lin)(x), (w16 @ x16 + b16).astype(jnp.float32))
+    # matmul-only policy: the bias add in float32
+    manual = (w16 @ x16).astype(jnp.float32) + lin.bias
+    np.testing.assert_allclose(amp(lin, amp_policy=matmul_amp_policy)(x), manual, rtol=1e-6)
     np.testing.assert_array_equal(amp(amp_stop(lin))(x), lin(x))
     assert not np.allclose(amp(lin)(x), lin(x), rtol=0, atol=1e-7)
 
