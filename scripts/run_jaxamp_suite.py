@@ -61,7 +61,13 @@ def _download_sdist(version: str, dest: Path) -> Path:
             "Clone https://github.com/acutkosky/jaxamp (or unpack its sdist) and pass --source DIR."
         )
     with tarfile.open(archives[0]) as tar:
-        tar.extractall(dest, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python without extraction filters: refuse members that would land outside dest
+            for m in tar.getmembers():
+                if not (dest / m.name).resolve().is_relative_to(dest.resolve()) or m.issym() or m.islnk():
+                    _fail(f"refusing to unpack {archives[0].name}: unsafe member {m.name!r}.")
+            tar.extractall(dest)
     roots = [p for p in dest.iterdir() if p.is_dir() and (p / "tests").is_dir()]
     if not roots:
         _fail(f"the jaxamp sdist {archives[0].name} has no tests/ directory.")
