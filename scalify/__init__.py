@@ -14,13 +14,16 @@ from scalify import (
     _rules_multiplicative,
     _rules_nonlinear,
     amp,
+    lax,
     ops,
+    tree,
 )
 from scalify._config import Pow2RoundMode, ScalifyConfig, get_config, pow2_round
 from scalify._interpreter import scalify
 from scalify._registry import RULES, Rule, ScalifyUnsupportedError, register_rule
-from scalify._scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf
+from scalify._scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from scalify._sharding import device_put, scaled_sharding
+from scalify.ops import debug_callback
 
 del _rules_additive, _rules_collectives, _rules_commuting, _rules_control, _rules_multiplicative, _rules_nonlinear
 
@@ -34,12 +37,16 @@ __all__ = [
     "as_scaled_array",
     "amp",
     "asarray",
+    "debug_callback",
     "device_put",
     "get_config",
     "is_scaled_leaf",
+    "lax",
     "ops",
     "pow2_round",
     "register_rule",
+    "scaled_array",
     "scaled_sharding",
     "scalify",
+    "tree",
 ]

@@ -44,12 +44,18 @@ class ScalifyConfig:
             (default) gives a carrier array (per-tensor scale for blocked operands, as MX hardware
             accumulates in float32); a ``qformats`` format re-quantizes the output into it.
         stochastic_seed: seed of the stochastic rounding mode.
+        scale_dtype: jax-scalify's default scale dtype. Here it is the dtype of the scale that
+            ``scalify.lax.get_data_scale`` gives a plain array (``None``: the array's dtype) and
+            the dtype ``get_data_scale`` returns a scale in. Scales the rules create are float32
+            whatever its value (a power of two is exact in float32, and one dtype keeps every rule
+            simple).
     """
 
     rounding_mode: Pow2RoundMode = Pow2RoundMode.DOWN
     keep_format: bool = False
     dot_output_format: object = None
     stochastic_seed: int = 0
+    scale_dtype: object = attrs.field(default=None, converter=lambda d: None if d is None else np.dtype(d))
 
     def __enter__(self):
         _STACK.stack.append(self)

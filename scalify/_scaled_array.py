@@ -73,21 +73,46 @@ class ScaledArray:
 
     @property
     def aval(self):
-        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+        """Abstract value of the logical array (shape and dtype), as JAX's ``ShapedArray``."""
+        return jax.core.ShapedArray(self.shape, self.dtype)
 
     def __len__(self):
         return self.shape[0]
 
     def to_array(self, dtype=None):
-        """The value ``data * scale`` as a plain array (computed in float32, cast to ``dtype``)."""
+        """The value ``data * scale`` as a plain array (computed in float32, cast to ``dtype``).
+
+        A carrier array whose data and scale are NumPy arrays gives a NumPy array (no device
+        transfer), as in jax-scalify; otherwise a ``jax.Array``.
+        """
         dtype = self.dtype if dtype is None else dtype
         if self.fmt is not None:
             return self.fmt.dequantize(self.data, self.scale, dtype=jnp.float32).astype(dtype)
+        if _is_numpy(self.data) and _is_numpy(self.scale):
+            return _numpy_value(self.data, self.scale, dtype)
         data = jnp.asarray(self.data)
         return (data.astype(jnp.float32) * expand_scale(self.scale, data.shape)).astype(dtype)
 
     def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.to_array(), dtype=dtype)
+        # Convert straight to `dtype`: a float16 array with a large scale is finite in float32.
+        return np.asarray(self.to_array(dtype))
+
+    def astype(self, dtype) -> ScaledArray:
+        """The same value with logical dtype ``dtype`` (a floating dtype); the scale is unchanged.
+
+        Carrier form: the data is cast (``data.astype(dtype)``, a plain cast like NumPy's: float8
+        targets do not saturate), as in jax-scalify. Formatted form: only the logical dtype
+        changes, the quantized data stays as it is.
+        """
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"ScaledArray.astype({dtype}): a ScaledArray holds floating values; "
+                f"use `sa.to_array({dtype})` for a plain {dtype} array of its value."
+            )
+        if self.fmt is not None:
+            return ScaledArray(self.data, self.scale, fmt=self.fmt, dtype=dtype)
+        return ScaledArray(self.data.astype(dtype), self.scale)
 
     def __repr__(self):
         if self.fmt is None:
@@ -163,7 +188,15 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
     # into the scale so the carrier data is O(1) and products cannot overflow a float16 carrier.
     k = _pow2_floor(fmt.max_value)
     if k != 1.0:
-        elems = elems * np.float32(1.0 / k)
+        inv = np.float32(1.0 / k)
+        if inv < np.finfo(np.float32).tiny:
+            # bf16's max is ~2^128, so 1/k = 2^-127 is a float32 subnormal, which XLA on CPU
+            # flushes to zero (every value would read as 0). Apply it as two normal factors; the
+            # barrier keeps XLA from folding them back into the subnormal constant.
+            half = np.float32(2.0**-64)
+            elems = lax.optimization_barrier(elems * half)
+            inv = np.float32(inv / half)
+        elems = elems * inv
         grid = grid * np.float32(k)
     return ScaledArray(elems.astype(x.dtype), normalize_scale(grid, shape))
 
@@ -173,6 +206,34 @@ def _pow2_floor(v: float) -> float:
     if not np.isfinite(v) or v <= 0:
         return 1.0
     return float(2.0 ** np.floor(np.log2(v)))
+
+
+def _is_numpy(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic))
+
+
+def _numpy_value(data, scale, dtype):
+    """``data * scale`` computed with NumPy (in at least float32) and cast to ``dtype``."""
+    data, scale = np.asarray(data), np.asarray(scale)
+    wide = np.promote_types(np.promote_types(data.dtype, np.float32), scale.dtype)
+    scale = np.asarray(expand_scale(scale, data.shape)) if scale.ndim else scale
+    return (data.astype(wide) * scale.astype(wide)).astype(dtype)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.floating)
+
+
+def _split_scalar(x):
+    """A floating scalar as ``mantissa * 2^e`` with the mantissa in ``[1, 2)`` (jax-scalify's scalar
+    form): the power of two goes to the scale, so the data of a scalar is O(1) in any dtype."""
+    xnp = _is_numpy(x)
+    xp = np if xnp else jnp
+    m, e = xp.frexp(xp.abs(xp.asarray(x, np.float32)))  # |x| = m * 2^e, m in [0.5, 1)
+    zero = m == 0
+    scale = xp.where(zero, np.float32(1), xp.ldexp(np.float32(1), e - 1)).astype(np.float32)
+    data = (xp.asarray(x, np.float32) / scale).astype(np.result_type(x))
+    return ScaledArray(data, scale)
 
 
 def _as_scaled_leaf(x, scale, fmt):
@@ -187,15 +248,28 @@ def _as_scaled_leaf(x, scale, fmt):
         return ScaledArray(data, sc, fmt=fmt, dtype=x.dtype)
     if isinstance(x, ScaledArray):
         return x
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
+    if isinstance(x, (bool, int)) or not _is_float(x):
+        return x  # integer labels, masks: the very object, unchanged
+    if isinstance(x, float):
+        x = np.float32(x)
+    if scale is None and np.ndim(x) == 0:
+        return _split_scalar(x)
+    # NumPy in, NumPy out (no device transfer), as in jax-scalify; JAX arrays stay JAX arrays.
+    xp = np if _is_numpy(x) else jnp
     if scale is None:
-        return ScaledArray(x, jnp.ones((), jnp.float32))
-    scale = jnp.asarray(scale, jnp.float32)
-    scale = normalize_scale(scale, x.shape)
-    data = (x.astype(jnp.float32) / expand_scale(scale, x.shape)).astype(x.dtype)
-    return ScaledArray(data, scale)
+        return ScaledArray(x if xp is jnp else np.asarray(x), np.ones((), np.float32))
+    if not (_is_numpy(scale) or isinstance(scale, jax.Array)) or not _is_float(scale):
+        scale = np.asarray(scale, np.float32)  # Python numbers and integer scales: float32
+    grid = normalize_scale(jnp.asarray(scale, jnp.float32), np.shape(x))
+    if xp is np and _is_numpy(scale):
+        wide = np.promote_types(np.asarray(x).dtype, np.float32)
+        g = np.asarray(grid)
+        data = (np.asarray(x, wide) / (np.asarray(expand_scale(g, np.shape(x))) if g.ndim else g)).astype(x.dtype)
+    else:
+        xj = jnp.asarray(x)
+        data = (xj.astype(jnp.float32) / expand_scale(grid, xj.shape)).astype(xj.dtype)
+    # Keep the caller's scale object (its dtype and array type) when it is a scalar.
+    return ScaledArray(data, scale if np.ndim(scale) == 0 else grid)
 
 
 def as_scaled_array(x, scale=None, fmt=None):
@@ -206,7 +280,10 @@ def as_scaled_array(x, scale=None, fmt=None):
     * ``fmt`` given (a :class:`qformats.ScaledFormat` or a registered name): quantize with it.
     * neither: ``scale = 1``.
 
-    Non-floating leaves (integer labels, booleans) are left as they are.
+    Non-floating leaves (integer labels, booleans, Python ints) are returned as they are (the same
+    object). A floating scalar without ``scale`` is split as ``mantissa * 2^e`` (data in ``[1, 2)``,
+    power-of-two scale), as in jax-scalify. NumPy inputs keep NumPy data; a scalar ``scale`` is kept
+    as given (a Python number becomes a float32 scalar).
     """
     if scale is not None and fmt is not None:
         raise ValueError("Pass either `scale` (carrier form) or `fmt` (quantize), not both.")
@@ -214,14 +291,33 @@ def as_scaled_array(x, scale=None, fmt=None):
 
 
 def asarray(x, dtype=None):
-    """Plain value of a ScaledArray (or a pytree of them); other leaves pass through."""
+    """Plain value of a ScaledArray (or a pytree of them); other leaves pass through.
+
+    With ``dtype``, arrays are cast with their own ``astype`` (NumPy stays NumPy) and Python
+    scalars become NumPy arrays.
+    """
 
     def leaf(v):
         if isinstance(v, ScaledArray):
             return v.to_array(dtype)
-        return v if dtype is None else jnp.asarray(v, dtype)
+        if dtype is None:
+            return v
+        return v.astype(dtype) if isinstance(v, (np.ndarray, jax.Array)) else np.asarray(v, dtype)
 
     return jax.tree.map(leaf, x, is_leaf=is_scaled_leaf)
+
+
+def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
+    """A carrier ScaledArray from raw ``data`` and ``scale`` (no division: the value is
+    ``data * scale``), like ``npapi.array``: ``data`` is converted with ``npapi.asarray(data, dtype)``.
+
+    ``npapi`` is ``jax.numpy`` (default) or ``numpy``. A non-floating ``scale`` becomes float32.
+    """
+    data = npapi.asarray(data, dtype=dtype)
+    scale = npapi.asarray(scale)
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        scale = scale.astype(np.float32)
+    return ScaledArray(data, scale)
 
 
 def dequantize(x, dtype=jnp.float32):

@@ -7,9 +7,15 @@
   ``float8_e4m3fn``, saturating to its max), keeping the scale.
 * ``quantize(x, fmt)``: change format inside a program; ``dequantize(x)``: back to a plain array.
 * ``debug_scale_stats(x, name)``: record (and optionally print) the scale statistics of ``x``.
+* jax-scalify's forward/backward maps: ``cast_on_{forward,backward}`` (dtype cast in one pass, identity
+  in the other), ``reduce_precision_on_{forward,backward}`` (round to an ml_dtype's precision and
+  range, ``lax.reduce_precision``), and ``debug_callback`` / ``debug_print`` with their ``_grad``
+  twins (called on the gradients); under ``scalify`` the callbacks receive ScaledArrays.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +27,25 @@ from scalify._config import pow2_round
 from scalify._jax_compat import define_elementwise_primitive, is_tracer
 from scalify._registry import register_rule
 from scalify._rules_common import F32, safe_scale
-from scalify._scaled_array import ScaledArray, as_scaled_array, block_of, expand_scale, to_carrier
+from scalify._scaled_array import (
+    ScaledArray,
+    as_scaled_array,
+    block_of,
+    expand_scale,
+    is_scaled_leaf,
+    to_carrier,
+)
 
 __all__ = [
     "cast_ml_dtype",
+    "cast_on_backward",
+    "cast_on_forward",
+    "debug_callback",
+    "debug_callback_grad",
+    "debug_print",
+    "debug_print_grad",
+    "reduce_precision_on_backward",
+    "reduce_precision_on_forward",
     "cast_ml_dtype_grad",
     "debug_scale_stats",
     "dequantize",
@@ -58,6 +79,7 @@ def _norm_l2(d):
 
 
 _NORMS = {"max": _norm_max, "l1": _norm_l1, "l2": _norm_l2}
+_ZERO_NORM = np.float32(2.0**-14)
 
 
 def _rescale_scaled(x: ScaledArray, norm: str) -> ScaledArray:
@@ -72,6 +94,8 @@ def _rescale_scaled(x: ScaledArray, norm: str) -> ScaledArray:
         n = _NORMS[norm](data.reshape(inter))
         if x.scale.ndim == 0:
             n = n.reshape(())
+    # A zero block gets jax-scalify's epsilon 2^-14 (its data stays 0 and its scale is small, not 1).
+    n = jnp.where(n > 0, n, jnp.asarray(_ZERO_NORM, F32))
     r = safe_scale(pow2_round(safe_scale(n)))
     new = (data * expand_scale(1.0 / r, data.shape)).astype(x.data.dtype)
     return ScaledArray(new, x.scale * r)
@@ -271,3 +295,155 @@ def debug_scale_stats(x, name: str = "tensor", *, print_stats: bool = True):
     if is_tracer(x):
         return scale_stats_p.bind(x, name=name)
     return x
+
+
+# -- forward / backward maps (jax-scalify) ----------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _on_forward(f, x):
+    return f(x)
+
+
+_on_forward.defvjp(lambda f, x: (f(x), None), lambda f, _, g: (g,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _on_backward(f, x):
+    return x
+
+
+_on_backward.defvjp(lambda f, x: (x, None), lambda f, _, g: (f(g),))
+
+
+def _reduce_precision(x, dtype):
+    info = ml_dtypes.finfo(np.dtype(dtype))
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def _convert(dtype):
+    return lambda v: jax.lax.convert_element_type(v, np.dtype(dtype))
+
+
+def cast_on_forward(x, dtype):
+    """``x`` cast to ``dtype`` forward; the gradient passes through unchanged (not cast)."""
+    return _on_forward(_convert(dtype), x)
+
+
+def cast_on_backward(x, dtype):
+    """``x`` unchanged forward; its gradient is cast to ``dtype``."""
+    return _on_backward(_convert(dtype), x)
+
+
+def reduce_precision_on_forward(x, dtype):
+    """``x`` rounded to ``dtype``'s precision and range (``lax.reduce_precision``, dtype kept) forward;
+    identity backward. Under ``scalify`` the data is rounded and the scale kept."""
+    return _on_forward(functools.partial(_reduce_precision, dtype=dtype), x)
+
+
+def reduce_precision_on_backward(x, dtype):
+    """Identity forward; the gradient is rounded to ``dtype``'s precision and range."""
+    return _on_backward(functools.partial(_reduce_precision, dtype=dtype), x)
+
+
+# -- debug callbacks ---------------------------------------------------------------------------------
+class _HostCallback:
+    """The user's callback and the pytree of its arguments, with ScaledArrays as leaves.
+
+    ``jax.debug.callback`` traces the call into a ``debug_callback`` equation that flattens
+    ScaledArrays into their logical arrays; under ``scalify`` the rule below finds this object in
+    the equation's callback and calls it with the ScaledArrays themselves.
+    """
+
+    def __init__(self, fn, treedef):
+        self.fn, self.treedef = fn, treedef
+
+    def __call__(self, *leaves):
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        self.fn(*args, **kwargs)
+
+
+def debug_callback(callback, *args, ordered: bool = False, **kwargs):
+    """``jax.debug.callback(callback, *args, **kwargs)`` that hands ScaledArrays to ``callback``
+    (inside ``scalify`` too). Returns None."""
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
+    jax.debug.callback(_HostCallback(callback, treedef), *leaves, ordered=ordered)
+
+
+def _host_callback_of(flat_callback):
+    """The ``_HostCallback`` that JAX's flat debug callback wraps (found in its closure), or None."""
+    for cell in getattr(flat_callback, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, _HostCallback):
+            return value
+        inner = _host_callback_of(value) if callable(value) else None
+        if inner is not None:
+            return inner
+    return None
+
+
+def _traced_primitive(fn):
+    """The primitive ``fn`` binds, found by tracing it (no JAX internals imported)."""
+    return jax.make_jaxpr(fn)(np.float32(0)).eqns[0].primitive
+
+
+def _debug_callback_p():
+    return _traced_primitive(lambda v: jax.debug.callback(lambda *_: None, v))
+
+
+def _debug_callback_rule(eqn, *invals):
+    host = _host_callback_of(eqn.params["callback"])
+    if host is not None:
+        # Our debug_callback: the user's callback receives ScaledArrays.
+        ordered = "ordered" in str(eqn.params.get("effect", "")).lower()
+        jax.debug.callback(host, *invals, ordered=ordered)
+    else:
+        # jax.debug.callback / jax.debug.print: the callback receives the values.
+        _debug_values_rule(eqn, *invals)
+    return []
+
+
+register_rule(
+    _debug_callback_p(),
+    "scaled-op",
+    "host callback: scalify.ops.debug_callback passes ScaledArrays, jax.debug.* passes values.",
+    raw=True,
+)(_debug_callback_rule)
+
+
+def _debug_values_rule(eqn, *invals):
+    plain = [v.to_array() if isinstance(v, ScaledArray) else v for v in invals]
+    return eqn.primitive.bind(*plain, **eqn.params)
+
+
+_debug_print_p = _traced_primitive(lambda v: jax.debug.print("{}", v))
+if _debug_print_p is not _debug_callback_p():
+    register_rule(_debug_print_p, "scaled-op", "jax.debug.print: prints the values data * scale.", raw=True)(
+        _debug_values_rule
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def debug_callback_grad(f, *args):
+    """Identity on ``args`` forward; calls ``f(*gradients)`` on the backward pass."""
+    return args
+
+
+def _dcg_bwd(f, _, grads):
+    debug_callback(f, *grads)
+    return grads
+
+
+debug_callback_grad.defvjp(lambda f, *args: (args, None), _dcg_bwd)
+
+
+def debug_print(fmt: str, *args):
+    """Print ``fmt.format(*args)`` at run time (ScaledArrays print as ScaledArrays); returns ``args``."""
+    debug_callback(lambda *a: print(fmt.format(*a)), *args)
+    return args
+
+
+def debug_print_grad(fmt: str, *args):
+    """Identity forward; prints ``fmt.format(*gradients)`` on the backward pass."""
+    return debug_callback_grad(lambda *a: print(fmt.format(*a)), *args)
