@@ -49,6 +49,13 @@ class ScalifyConfig:
             the dtype ``get_data_scale`` returns a scale in. Scales the rules create are float32
             whatever its value (a power of two is exact in float32, and one dtype keeps every rule
             simple).
+        renormalize: how rules whose output magnitude can drift (contractions, sums) pick the output
+            scale. ``"amax"`` (default): the output's measured absolute max, rounded to a power of
+            two, moves into the scale, so the data's amax lies in ``[1, 2)`` and unchanged training
+            programs cannot drift out of range (one reduction over the output). ``"static"``:
+            jax-scalify's static estimate, a power of two near ``sqrt(K)`` for a K-term sum (no
+            reduction; the data drifts with the values' correlation, so training needs hand-placed
+            ``dynamic_rescale_*``).
     """
 
     rounding_mode: Pow2RoundMode = Pow2RoundMode.DOWN
@@ -56,6 +63,7 @@ class ScalifyConfig:
     dot_output_format: object = None
     stochastic_seed: int = 0
     scale_dtype: object = attrs.field(default=None, converter=lambda d: None if d is None else np.dtype(d))
+    renormalize: str = attrs.field(default="amax", validator=attrs.validators.in_(("amax", "static")))
 
     def __enter__(self):
         _STACK.stack.append(self)

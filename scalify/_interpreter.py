@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalify._config import get_config
-from scalify._jax_compat import DropVar, Literal, bind_eqn, logical_aval, p, sub_jaxprs
+from scalify._jax_compat import DropVar, Literal, bind_eqn, is_tracer, logical_aval, p, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
-from scalify._rules_common import fill_scope, isolate_scale, note_fill, static_scalar
+from scalify._rules_common import fill_scope, isolate_scale, note_fill, settle_carried, static_operand, static_scalar
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
 
 # Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
@@ -104,19 +104,45 @@ def _seal(x, sealed: dict):
 
 
 # A fill stays a fill through these (one operand; the value only changes dtype).
-_FILL_PRESERVING = (p.broadcast_in_dim_p, p.convert_element_type_p, p.reshape_p)
+_FILL_PRESERVING = (p.broadcast_in_dim_p, p.convert_element_type_p, p.reshape_p, p.squeeze_p)
+
+# Elementwise primitives: on static scalars and fills the result is a fill of the scalar result
+# (the ``1/N`` of a mean's cotangent, ``1 - beta`` of an optimizer), computed at trace time.
+_ELEMENTWISE = frozenset(
+    getattr(p, n)
+    for n in (
+        "add_p sub_p mul_p div_p neg_p abs_p max_p min_p exp_p log_p sqrt_p rsqrt_p integer_pow_p "
+        "square_p pow_p sign_p tanh_p logistic_p expm1_p log1p_p"
+    ).split()
+    if hasattr(p, n)
+)
 
 
 def _note_fill(eqn, invals, outs):
-    """A broadcast (or cast, or reshape) of a static scalar, such as the zeros of a relu or ``where``
-    cotangent, is a static fill: rules then treat it like the scalar (a zero adopts the other
-    operands' scale, a power of two only touches the scale)."""
-    if eqn.primitive not in _FILL_PRESERVING or len(invals) != 1:
+    """Record outputs that hold one scalar everywhere, so that rules treat them like the scalar.
+
+    * a broadcast (or cast, or reshape) of a static scalar, such as the zeros of a relu or ``where``
+      cotangent: a zero adopts the other operands' scale, a power of two only touches the scale;
+    * an elementwise op on static scalars and fills: folded at trace time (``1/N`` of a mean);
+    * a broadcast of a runtime 0-d float (a learning rate): its power of two goes to the scale.
+    """
+    if len(outs) != 1 or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
         return
-    value = static_scalar(invals[0])
     dtype = eqn.outvars[0].aval.dtype
-    if value is not None and jnp.issubdtype(dtype, jnp.floating):
-        note_fill(outs[0], float(np.asarray(value, dtype)))
+    if eqn.primitive in _FILL_PRESERVING and len(invals) == 1:
+        value = static_scalar(invals[0])
+        if value is not None:
+            note_fill(outs[0], float(np.asarray(value, dtype)))
+        elif eqn.primitive is p.broadcast_in_dim_p and is_tracer(invals[0]) and jnp.ndim(invals[0]) == 0:
+            if jnp.issubdtype(invals[0].dtype, jnp.floating) and not eqn.params["shape"] == ():
+                note_fill(outs[0], invals[0])
+        return
+    if eqn.primitive in _ELEMENTWISE:
+        values = [static_operand(x) for x in invals]
+        if invals and all(v is not None for v in values):
+            with jax.ensure_compile_time_eval():
+                (out,) = bind_eqn(eqn, [jnp.asarray(v) for v in values])
+            note_fill(outs[0], float(np.asarray(out, dtype)))
 
 
 def eval_jaxpr(jaxpr, consts, *args):
@@ -197,11 +223,13 @@ def scalify(fun):
             # Plain inputs: behave like `fun`, unless it creates ScaledArrays (scalify.ops.quantize).
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*leaves)
             if not _contains_always(closed):
-                return fun(*args, **kwargs)
+                # As a traced program would: NumPy results come back as JAX arrays.
+                out = fun(*args, **kwargs)
+                return jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray | np.generic) else v, out)
         else:
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[_abstract(x) for x in leaves])
         out_tree = jax.tree.structure(out_shape)
-        outs = eval_closed(closed, *leaves)
+        outs = [settle_carried(o) for o in eval_closed(closed, *leaves)]
         return jax.tree.unflatten(out_tree, outs)
 
     return wrapped

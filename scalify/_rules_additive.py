@@ -26,9 +26,11 @@ from scalify._rules_common import (
     fold,
     is_runtime_plain,
     is_scaled,
+    measured,
     per_tensor,
     promote,
     requant_blocks,
+    settle,
     sqrt_rescale,
     times,
 )
@@ -74,7 +76,9 @@ register_rule(
 
 
 def _prescaled_sum(eqn, x: ScaledArray, n: int, scale=None) -> ScaledArray:
-    """A sum over ``n`` terms scaled by ``1/r`` (``r`` = 2^k ~ sqrt(n)); scale * r.
+    """A sum over ``n`` terms scaled by ``1/r`` (``r`` = 2^k ~ sqrt(n)); scale * r. Under the measured
+    policy (``ScalifyConfig(renormalize="amax")``, the default) the result is then settled when its
+    amax leaves the window.
 
     Floating data is accumulated in float32 and the scaled sum rounded once to the carrier dtype,
     so the accumulation cannot overflow it whatever ``n``. Integer data is summed as it is.
@@ -87,7 +91,12 @@ def _prescaled_sum(eqn, x: ScaledArray, n: int, scale=None) -> ScaledArray:
         return ScaledArray(bind_eqn(eqn, [x.data])[0], scale)
     scale = times(scale, r)
     (out,) = bind_eqn(eqn, [cast(x.data, F32)])
-    return ScaledArray(cast(lax.mul(out, np.float32(1.0 / r)), x.data.dtype), scale)
+    out = lax.mul(out, np.float32(1.0 / r))
+    if measured():
+        # Cancellation (a gradient's sum over the batch) can leave the sum far below sqrt(n) times
+        # its terms: the measured amax corrects the static allowance when it leaves the window.
+        return settle(out, scale, x.data.dtype)
+    return ScaledArray(cast(out, x.data.dtype), scale)
 
 
 @register_rule(

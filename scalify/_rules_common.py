@@ -87,18 +87,45 @@ def note_fill(x, value: float):
         fills[id(x)] = (x, value)  # the reference keeps the id from being reused
 
 
+def _fill_of(x):
+    fills = _FILLS.get()
+    hit = fills.get(id(x)) if fills is not None else None
+    return hit[1] if hit is not None and hit[0] is x else None
+
+
 def static_scalar(x):
     """The Python float of a concrete size-1 array or scalar, or of a known fill; else None."""
     if is_scaled(x):
         return None
     if is_tracer(x):
-        fills = _FILLS.get()
-        hit = fills.get(id(x)) if fills is not None else None
-        return hit[1] if hit is not None and hit[0] is x else None
+        v = _fill_of(x)
+        return v if isinstance(v, float) else None
     arr = np.asarray(x)
     if arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
         return None
     return float(arr.reshape(()))
+
+
+def static_operand(x):
+    """A static scalar operand as a 0-d NumPy value of its own dtype (ints too), or None."""
+    if is_scaled(x):
+        return None
+    if is_tracer(x):
+        v = _fill_of(x)
+        return np.asarray(v, x.dtype) if isinstance(v, float) else None
+    arr = np.asarray(x)
+    return arr.reshape(()) if arr.size == 1 else None
+
+
+def runtime_fill(x):
+    """The traced 0-d float of a broadcast runtime scalar (a learning rate, a loss scale), or None.
+
+    jax-scalify tracks such broadcast scalars too: their power of two belongs in the scale.
+    """
+    if is_scaled(x) or not is_tracer(x):
+        return None
+    v = _fill_of(x)
+    return None if v is None or isinstance(v, float) else v
 
 
 class _Zero:
@@ -109,8 +136,8 @@ ZERO = _Zero()
 
 
 def is_runtime_plain(x) -> bool:
-    """A plain floating operand whose value is not a static scalar (its magnitude is unknown)."""
-    return not is_scaled(x) and is_float(x) and static_scalar(x) is None
+    """A plain floating operand whose magnitude is unknown (neither a static nor a runtime scalar fill)."""
+    return not is_scaled(x) and is_float(x) and static_scalar(x) is None and runtime_fill(x) is None
 
 
 def split_static(v: float) -> tuple[float, float]:
@@ -130,6 +157,12 @@ def promote(x, *, zero_adopts=True):
         return x
     v = static_scalar(x)
     arr = jnp.asarray(x)
+    rv = runtime_fill(x) if v is None else None
+    if rv is not None:
+        # A broadcast runtime scalar: its power of two goes to the scale, the mantissa to the data.
+        e = safe_scale(pow2_round(lax.abs(cast(rv, F32)), Pow2RoundMode.DOWN))
+        m = cast(lax.div(cast(rv, F32), e), arr.dtype)
+        return ScaledArray(lax.broadcast_in_dim(m, arr.shape, ()), e)
     if v is not None:
         if v == 0.0 and zero_adopts:
             return ScaledArray(arr, ZERO)
@@ -183,6 +216,53 @@ def _renormalize(v, scale, *, dtype, mode):
     return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r
 
 
+def measured() -> bool:
+    """Whether drifting rules take their output scale from the measured amax (the default policy)."""
+    return get_config().renormalize == "amax"
+
+
+# Data amax window of the measured policy: inside it a rule's static choice of scale stands (the
+# jax-scalify scale, bit for bit); outside it the measured amax moves into the scale.
+WINDOW = 2.0**4
+
+
+def settle(v, scale, dtype) -> ScaledArray:
+    """Carrier of the float32 value ``v * expand(scale)`` whose data's amax lies in ``[2^-4, 2^4]``.
+
+    One reduction: if the absolute max of ``v`` lies outside the window, it is rounded down to a
+    power of two ``r`` that moves from the data into the scale (``data = v / r``, ``scale * r``:
+    exact), so the data's amax lands in ``[1, 2)``; inside the window (and for an all-zero or
+    non-finite ``v``) nothing changes. A block grid keeps its shape (the factor is common to all
+    blocks), so per-channel and outer-product grids stay as the rule built them.
+    """
+    return ScaledArray(*_settle(v, scale, dtype=np.dtype(dtype)))
+
+
+@staged("dtype")
+def _settle(v, scale, *, dtype, mode):
+    del mode
+    v = jnp.asarray(v, F32)
+    amax = block_amax(v, ())
+    inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
+    r = lax.select(inside, np.float32(1.0), safe_scale(pow2_round(safe_scale(amax), Pow2RoundMode.DOWN)))
+    return (v * (1.0 / r)).astype(dtype), jnp.asarray(scale, F32) * r
+
+
+def settle_carried(x):
+    """A carrier value that leaves the program or a loop iteration, settled on its measured amax.
+
+    Within one program the rules bound the data's drift (a static multiplier's mantissa, an
+    alignment's rounding: a factor below 2 per operation); state carried across steps or
+    iterations (an optimizer's moments ``b * m + (1 - b) * g``, a loop carry) would compound it
+    without bound. Settling what is carried keeps the data's amax in the window (one reduction);
+    a value already inside it (an explicit ``set_scaling``, jax-scalify's outputs) is unchanged.
+    Formatted values (quantized by their format) and plain values pass unchanged.
+    """
+    if not is_scaled(x) or x.fmt is not None or not measured() or not jnp.issubdtype(x.data.dtype, jnp.floating):
+        return x
+    return settle(x.data, x.scale, x.data.dtype)
+
+
 def block_amax(v, grid_shape):
     """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid.
 
@@ -234,7 +314,7 @@ def rescale(data, ratio, dtype=None):
 
 def _grid_shapes_compatible(xs):
     """Common grid shape of the non-zero operands, or None if their blocks do not line up."""
-    grids = [x.scale for x in xs if x.scale is not ZERO]
+    grids = [x.scale for x in xs if x.scale is not ZERO and not isinstance(x.scale, _Static)]
     shaped = [g for g in grids if jnp.ndim(g) > 0]
     if not shaped:
         return ()
@@ -271,12 +351,46 @@ def combine_max(scales, mode):
     return functools.reduce(lax.max, scales)
 
 
-@staged("combine")
-def _common_scale(scales, *, combine, mode):
-    """The common scale ``c = combine(scales)`` and each operand's ratio ``s_i / c``, as one
-    nested computation (one equation per alignment instead of a combine and a division each)."""
+@staged("combine", "floor")
+def _common_scale(scales, *, combine, floor, mode):
+    """The common scale ``c = max(combine(scales), floor)`` and each operand's ratio ``s_i / c``, as
+    one nested computation (one equation per alignment instead of a combine and a division each)."""
     common = combine(scales, mode)
+    if floor:
+        common = lax.max(common, np.float32(floor))
     return common, tuple(lax.div(s, common) for s in scales)
+
+
+class _Static:
+    """Marker scale of a static non-zero fill under a max alignment: it adopts the common scale of
+    the scaled operands, raised to ``floor`` where the fill would not fit the carrier otherwise."""
+
+    def __init__(self, value: float, floor: float):
+        self.value, self.floor = value, floor
+
+
+def _static_floor(v: float, dtype) -> float:
+    """Smallest power-of-two scale ``s`` with ``|v| / s`` at most a quarter of ``dtype``'s max (0: any
+    scale will do). A quarter leaves room for the differences softmax takes of masked logits."""
+    if not np.isfinite(v):
+        return 0.0
+    q = abs(v) / (float(jnp.finfo(dtype).max) / 4)
+    return pow2_ceil_np(q) if q > 1.0 else 0.0
+
+
+def _adopting(x, dtype):
+    """Promotion under a max alignment (select, max, min, clamp): a static fill (``-1e38`` of an
+    attention mask, ``finfo.min``, ``inf``) must not set the common scale, else a scaled operand's
+    data would be shifted by up to 2^-127 and flushed; it takes the others' scale instead."""
+    v = static_scalar(x)
+    if v is None or v == 0.0:
+        return promote(x)
+    arr = jnp.asarray(x)
+    return ScaledArray(arr, _Static(v, _static_floor(v, dtype or arr.dtype)))
+
+
+def _is_marker(scale) -> bool:
+    return scale is ZERO or isinstance(scale, _Static)
 
 
 def align(xs, combine=combine_max, *, dtype=None):
@@ -285,30 +399,38 @@ def align(xs, combine=combine_max, *, dtype=None):
     ``combine`` is :func:`combine_max` (the largest scale: nothing can overflow) or
     :func:`combine_l2` (jax-scalify's ``sqrt(sum(s**2))`` for sums). Returns ``(datas, scale)`` with
     each data in its own dtype (or ``dtype``). Blocks that do not line up are first folded to
-    per-tensor; a static zero adopts the common scale.
+    per-tensor; a static zero adopts the common scale; under ``combine_max`` every static fill does
+    (the common scale is raised only as far as the fill needs to stay finite in the carrier).
     """
-    ps = [promote(x) for x in xs]
+    adopt = combine is combine_max and any(is_scaled(x) for x in xs)
+    ps = [_adopting(x, dtype) if adopt else promote(x) for x in xs]
     # Rank-0 operands (scalar literals) with a 0-d scale broadcast against any grid.
     grid_shape = _grid_shapes_compatible(ps)
     if grid_shape is None:
-        ps = [fold(p) if p.scale is not ZERO else p for p in ps]
+        ps = [p if _is_marker(p.scale) else fold(p) for p in ps]
         grid_shape = ()
-    live = [p for p in ps if p.scale is not ZERO]
-    if len(live) <= 1:
-        common, ratios = (live[0].scale if live else jnp.ones((), F32)), (None,) * len(live)
+    live = [p for p in ps if not _is_marker(p.scale)]
+    floor = max([p.scale.floor for p in ps if isinstance(p.scale, _Static)], default=0.0)
+    if len(live) == 1 and not floor:
+        common, ratios = live[0].scale, (None,)
+    elif not live:
+        common, ratios = jnp.ones((), F32), ()
     else:
         scales = tuple(jnp.broadcast_to(p.scale, grid_shape) if grid_shape else p.scale for p in live)
-        common, ratios = _common_scale(scales, combine=combine)
+        common, ratios = _common_scale(scales, combine=combine, floor=floor)
     ratio_of = dict(zip(map(id, live), ratios, strict=True))
     out_shape = None
     datas = []
     for p in ps:
         dt = p.data.dtype if dtype is None else dtype
-        ratio = ratio_of.get(id(p))
+        if isinstance(p.scale, _Static):
+            # The fill's data is v / common, in float32 (common is a power of two: exact).
+            ratio, data = lax.div(np.float32(1.0), cast(common, F32)), lax.full(p.data.shape, p.scale.value, F32)
+        else:
+            ratio, data = ratio_of.get(id(p)), p.data
         if ratio is None:
-            datas.append(cast(p.data, dt))
+            datas.append(cast(data, dt))
             continue
-        data = p.data
         if jnp.ndim(ratio) > 0 and (
             data.ndim != ratio.ndim or any(g > n for g, n in zip(ratio.shape, data.shape, strict=True))
         ):

@@ -37,7 +37,7 @@ from scalify._jax_compat import (
     while_p,
 )
 from scalify._registry import register_rule
-from scalify._rules_common import F32, block_reduce, dequant, fold
+from scalify._rules_common import F32, block_reduce, dequant, fold, settle_carried
 from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
 
 _JIT_CACHE: dict = {}
@@ -320,7 +320,8 @@ def _while(eqn, *args):
     mask = _carry_fixpoint(shape_body, init)
 
     def body(c):
-        return [_as_loop_value(o, m) for o, m in zip(eval_closed(body_j, *bconsts, *c), mask, strict=True)]
+        outs = eval_closed(body_j, *bconsts, *c)
+        return [settle_carried(_as_loop_value(o, m)) for o, m in zip(outs, mask, strict=True)]
 
     def cond(c):
         (pred,) = eval_closed(cond_j, *cconsts, *c)
@@ -386,7 +387,7 @@ def _scan(eqn, *args):
 
     def body(c, x):
         carry, ys = raw_body(c, x)
-        carry = [_as_loop_value(o, m) for o, m in zip(carry, mask, strict=True)]
+        carry = [settle_carried(_as_loop_value(o, m)) for o, m in zip(carry, mask, strict=True)]
         ys = [_as_loop_value(o, m) for o, m in zip(ys, ymask, strict=True)]
         return carry, ys
 

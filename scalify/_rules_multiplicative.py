@@ -32,10 +32,12 @@ from scalify._rules_common import (
     dequant,
     fold,
     is_scaled,
+    measured,
     per_tensor,
     promote,
     renormalize,
     requant,
+    settle,
     split_static,
     sqrt_rescale,
     static_scalar,
@@ -157,20 +159,37 @@ def _dequant_dot(eqn, a, b):
     return _finish(out, eqn.outvars[0].aval.dtype)
 
 
-def _contract(eqn, da, db, r: float):
+def _contracted(eqn, da, db, r: float, scale, out_dtype) -> ScaledArray:
+    """The carrier of ``eqn`` (a dot or convolution) on the data ``da``, ``db`` with scale ``scale``.
+
+    The float32 accumulator is divided by the growth allowance ``r`` (2^k near sqrt(K), jax-scalify's
+    static estimate) and the scale multiplied by it; under ``ScalifyConfig(renormalize="amax")``
+    (the default) the result is then settled on its measured amax when that leaves the window
+    (correlated or cancelling terms make the static estimate drift).
+    """
+    data, applied = _contract(eqn, da, db, r, keep_f32=measured())
+    if measured() and jnp.issubdtype(data.dtype, jnp.floating):
+        return settle(data, times(scale, applied), out_dtype)
+    return ScaledArray(data, times(scale, applied))
+
+
+def _contract(eqn, da, db, r: float, keep_f32: bool = False):
     """``(data, r)``: ``eqn`` (a dot or convolution) on the data, divided by the growth allowance
     ``r`` (2^k), and the allowance actually applied (the caller multiplies the scale by it).
 
-    A floating result is accumulated in float32 and rounded once after the division: the
-    allowance then guards the carrier dtype against the sum's growth, instead of being applied
-    to an already rounded (possibly overflowed) carrier-dtype result. An integer result is exact
-    as it is and would be truncated by the division: no allowance.
+    A floating result is accumulated in float32 and rounded once after the division (or kept in
+    float32 with ``keep_f32``): the allowance then guards the carrier dtype against the sum's
+    growth, instead of being applied to an already rounded (possibly overflowed) carrier-dtype
+    result. An integer result is exact as it is and would be truncated by the division: no allowance.
     """
     dtype = eqn.params.get("preferred_element_type") or jnp.result_type(da.dtype, db.dtype)
-    if r == 1.0 or not jnp.issubdtype(dtype, jnp.floating):
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return bind_eqn(eqn, [da, db])[0], 1.0
+    if r == 1.0 and not keep_f32:
         return bind_eqn(eqn, [da, db])[0], 1.0
     (acc,) = bind_eqn_with(eqn, [da, db], preferred_element_type=_F32_DTYPE)
-    return cast(lax.mul(acc, np.float32(1.0 / r)), dtype), r
+    acc = acc if r == 1.0 else lax.mul(acc, np.float32(1.0 / r))
+    return (acc if keep_f32 else cast(acc, dtype)), r
 
 
 # Per-block products materialise one partial result per block (g times the output); below this block
@@ -197,8 +216,9 @@ def _dot_general(eqn, a, b):
     k = math.prod(a.data.shape[i] for i in lc)
     r = sqrt_rescale(k)
     if per_tensor(a) and per_tensor(b):
-        data, r = _contract(eqn, a.data, b.data, r)
-        return _output_format(ScaledArray(data, times(lax.mul(a.scale, b.scale), r)), out_dtype)
+        return _output_format(
+            _contracted(eqn, a.data, b.data, r, lax.mul(a.scale, b.scale), _carrier(eqn, a, b)), out_dtype
+        )
     ga, gb = _grid(a), _grid(b)
     # Batch grids must agree (or broadcast from 1).
     bshape_a, bshape_b = list(ga.shape), list(gb.shape)
@@ -211,9 +231,8 @@ def _dot_general(eqn, a, b):
     blocked = [(i, j) for i, j in zip(lc, rc, strict=True) if ga.shape[i] != 1 or gb.shape[j] != 1]
     grid_params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
     if not blocked:
-        data, r = _contract(eqn, a.data, b.data, r)
-        scale = times(lax.dot_general_p.bind(ga, gb, **grid_params), r)
-        return _output_format(ScaledArray(data, scale), out_dtype)
+        scale = lax.dot_general_p.bind(ga, gb, **grid_params)
+        return _output_format(_contracted(eqn, a.data, b.data, r, scale, _carrier(eqn, a, b)), out_dtype)
     if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
         return _dequant_dot(eqn, a, b)
     (i, j), g = blocked[0], ga.shape[blocked[0][0]]
@@ -243,5 +262,10 @@ def _conv(eqn, lhs, rhs):
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec
     fan_in = math.prod(rhs.data.shape) // rhs.data.shape[rhs_spec[0]]
     r = sqrt_rescale(fan_in)
-    data, r = _contract(eqn, lhs.data, rhs.data, r)
-    return ScaledArray(data, times(lax.mul(lhs.scale, rhs.scale), r))
+    return _contracted(eqn, lhs.data, rhs.data, r, lax.mul(lhs.scale, rhs.scale), _carrier(eqn, lhs, rhs))
+
+
+def _carrier(eqn, a: ScaledArray, b: ScaledArray):
+    """The carrier dtype of a contraction's output: the requested accumulator type, else the
+    operands' data dtype (promoted), as the plain program on the data would return."""
+    return eqn.params.get("preferred_element_type") or jnp.result_type(a.data.dtype, b.data.dtype)
