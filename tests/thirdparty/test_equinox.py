@@ -1,0 +1,114 @@
+"""equinox: ``eqx.nn`` layers (Embedding, LayerNorm, MultiheadAttention, RMSNorm, MLP, Conv2d).
+
+Two tiny models: a pre-norm attention block over token embeddings (equinox masks attention as
+``where(mask, logits, finfo(dtype).min)``) and a small CNN classifier. Parameters live in the module
+pytree: ``eqx.partition(model, eqx.is_inexact_array)`` splits them from the static rest and
+``eqx.combine`` puts the (scaled) parameters back inside the traced loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import Case, StepResults, check_grad, check_update, run_loss
+
+eqx = pytest.importorskip("equinox", reason="equinox is not installed (pip install -e '.[test]')")
+
+VOCAB, D, HEADS, HIDDEN, BATCH, T, CLASSES = 64, 64, 2, 128, 2, 8, 32
+
+
+class AttentionBlock(eqx.Module):
+    embed: eqx.nn.Embedding
+    ln: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    rms: eqx.nn.RMSNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, D, key=k[0])
+        self.ln = eqx.nn.LayerNorm(D)
+        self.attn = eqx.nn.MultiheadAttention(HEADS, D, key=k[1])
+        self.rms = eqx.nn.RMSNorm(D)
+        self.mlp = eqx.nn.MLP(D, VOCAB, HIDDEN, depth=2, activation=jax.nn.gelu, key=k[2])
+
+    def __call__(self, tokens):  # one sequence [T]
+        x = jax.vmap(self.embed)(tokens)
+        h = jax.vmap(self.ln)(x)
+        mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), bool))
+        x = x + self.attn(h, h, h, mask=mask)
+        return jax.vmap(self.mlp)(jax.vmap(self.rms)(x))
+
+
+class SmallCNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    head: eqx.nn.MLP
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(3, 16, kernel_size=3, padding=1, key=k[0])
+        self.conv2 = eqx.nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1, key=k[1])
+        self.head = eqx.nn.MLP(32 * 4 * 4, CLASSES, 64, depth=1, activation=jax.nn.relu, key=k[2])
+
+    def __call__(self, image):  # one image [C, H, W]
+        h = jax.nn.relu(self.conv1(image))
+        h = jax.nn.relu(self.conv2(h))
+        return self.head(h.reshape(-1))
+
+
+def _split_case(name, model, batch, per_example_loss):
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(params, batch):
+        m = eqx.combine(params, static)
+        return jnp.mean(jax.vmap(lambda *ex: per_example_loss(m, *ex))(*batch))
+
+    return Case(name, loss, params, batch)
+
+
+def attention_case():
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, size=(BATCH, T + 1)), jnp.int32)
+
+    def per_example(m, seq):
+        logits = m(seq[:-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, seq[1:]).mean()
+
+    return _split_case("eqx_attention_block", AttentionBlock(jax.random.key(2)), (tokens,), per_example)
+
+
+def cnn_case():
+    rng = np.random.default_rng(3)
+    images = jnp.asarray(rng.standard_normal((BATCH, 3, 8, 8)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, CLASSES, size=(BATCH,)), jnp.int32)
+
+    def per_example(m, image, label):
+        return optax.softmax_cross_entropy_with_integer_labels(m(image), label)
+
+    return _split_case("eqx_cnn", SmallCNN(jax.random.key(3)), (images, labels), per_example)
+
+
+@pytest.fixture(scope="module", params=["attention_block", "cnn"])
+def case(request):
+    return {"attention_block": attention_case, "cnn": cnn_case}[request.param]()
+
+
+STEPS = StepResults()
+
+
+def test_loss(case, fmt_name):
+    run_loss(case, fmt_name)
+
+
+@pytest.mark.slow
+def test_grad(case, fmt_name):
+    check_grad(STEPS, case, fmt_name)
+
+
+@pytest.mark.slow
+def test_adam_update(case, fmt_name):
+    check_update(STEPS, case, fmt_name)
