@@ -1,234 +1,24 @@
-"""Shared harness for models written by other libraries (flax, equinox, keras, haiku, Gemma-style).
+"""Fixtures of the third-party model suite; the harness itself is thirdparty_harness.py.
 
-Every test module builds a tiny configuration of a real model with the library's own layers and
-initialisers, then hands a :class:`Case` to the checks below, parametrized over every registered
-format:
-
-* ``jit(scalify(loss))(qparams, batch)`` against ``loss(dequantized params, batch)`` in float32;
-* ``jit(scalify(grad(loss)))`` against ``grad(loss)`` on the dequantized parameters;
-* one optax update (gradient, Adam moments, parameter update) against the float32 update.
-
-Why one tolerance serves every format
--------------------------------------
-The float32 reference runs on the *dequantized* parameters, so quantizing the parameters is not an
-error being measured: both programs start from the same real numbers. Under ``scalify`` a formatted
-operand is turned into its carrier (decoded elements in the logical dtype, float32, times a float32
-power-of-two scale) and every rule returns a float32 carrier. Multiplying or dividing by a power of
-two is exact, so the only differences left are float32 rounding (unit roundoff 2**-24 ~ 6e-8) and
-the order of float32 sums (per-block partial sums, rescaled additions), amplified by the depth of a
-tiny model and by cancellation in gradients. That is ``PROPAGATION_RTOL`` (relative to each leaf's
-largest magnitude), whatever the format.
-
-The tolerance is also a detector: it must stay below a quarter of the unit roundoff of the finest
-registered element type (fp16: 2**-11 ~ 4.9e-4; bf16 2**-8; e4m3 2**-4; int8 per channel 1/254 of the
-channel max; ...), so if any intermediate were silently rounded to the format's element type the
-comparison would fail. ``format_unit_roundoff`` computes that bound per format and
-``check_tolerance`` asserts it.
+(It is imported by name from the test modules; a module named ``conftest`` would clash with the other
+test folders' conftest modules.)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from collections.abc import Callable
-from typing import Any
-
-# keras 3 picks its backend at import time: make it JAX before any test module imports keras.
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
-
-import qformats as qf
-import scalify
-
-FORMAT_NAMES = tuple(qf.list_formats())
-
-# Differences between a float32 carrier program and the float32 program (see the module docstring).
-PROPAGATION_RTOL = 5e-5
-
-
-def format_unit_roundoff(fmt) -> float:
-    """Relative rounding error of one element of ``fmt`` (half the grid step at 1.0 or at the block max)."""
-    element = fmt.element
-    if isinstance(element, qf.IntElement):
-        return 0.5 / element.qmax
-    if isinstance(element, qf.FloatElement):
-        return 2.0 ** -(element.mbits + 1)
-    # An element codec of a user's own: fall back to the bits it spends.
-    return 2.0 ** -(getattr(element, "bits", 8))
-
-
-def check_tolerance(fmt) -> float:
-    tol = PROPAGATION_RTOL
-    assert tol <= format_unit_roundoff(fmt) / 4, (
-        f"the propagation tolerance {tol} would not detect element rounding to {fmt.name} "
-        f"(unit roundoff {format_unit_roundoff(fmt)})"
-    )
-    return tol
+from thirdparty_harness import FORMAT_NAMES
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _standard_promotion():
-    """Third-party model code is written for JAX's default dtype promotion (the suite runs strict)."""
+    """Third-party model code is written for JAX's default dtype promotion (the rest of the suite runs strict)."""
     with jax.numpy_dtype_promotion("standard"):
         yield
 
 
 @pytest.fixture(params=FORMAT_NAMES, scope="module")
 def fmt_name(request):
+    """Every registered format (``qf.list_formats()``), so a newly registered one is tested too."""
     return request.param
-
-
-# -- parameters --------------------------------------------------------------------------------------
-def _accepts(fmt, leaf) -> bool:
-    if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.ndim < 2:
-        return False
-    try:
-        fmt.block_shape(tuple(leaf.shape))
-    except ValueError:
-        return False
-    return True
-
-
-def quantize_tree(params, fmt):
-    """Floating leaves of rank >= 2 that ``fmt``'s layout accepts become ScaledArrays; others stay plain."""
-    return jax.tree.map(lambda p: scalify.as_scaled_array(p, fmt=fmt) if _accepts(fmt, p) else p, params)
-
-
-def dequantize_tree(tree):
-    return jax.tree.map(
-        lambda v: v.to_array(jnp.float32) if isinstance(v, scalify.ScaledArray) else v,
-        tree,
-        is_leaf=scalify.is_scaled_leaf,
-    )
-
-
-def n_scaled(tree) -> int:
-    return sum(isinstance(v, scalify.ScaledArray) for v in jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf))
-
-
-def _values(tree):
-    return [np.asarray(v, np.float64) for v in jax.tree.leaves(dequantize_tree(tree))]
-
-
-def assert_tree_close(got, expected, fmt, what: str):
-    """Leafwise: same NaN pattern as float32 (no new NaN/Inf), and |got - expected| <= rtol * max|expected|."""
-    rtol = check_tolerance(fmt)
-    got_leaves, exp_leaves = _values(got), _values(expected)
-    assert len(got_leaves) == len(exp_leaves), f"{what}: {len(got_leaves)} leaves, expected {len(exp_leaves)}"
-    for i, (g, e) in enumerate(zip(got_leaves, exp_leaves, strict=True)):
-        assert g.shape == e.shape, f"{what}[{i}]: shape {g.shape}, expected {e.shape}"
-        bad = ~np.isfinite(g) & np.isfinite(e)
-        if bad.any():
-            raise AssertionError(
-                f"{what}[{i}] under {fmt.name}: {int(bad.sum())} of {g.size} values are NaN/Inf where float32 is finite"
-            )
-        finite = np.isfinite(e)
-        scale = max(float(np.max(np.abs(e[finite]), initial=0.0)), 1e-30)
-        err = float(np.max(np.abs(g[finite] - e[finite]), initial=0.0))
-        if not err <= rtol * scale:
-            raise AssertionError(
-                f"{what}[{i}] (shape {e.shape}) under {fmt.name}: max |diff| {err:.3g} > {rtol:g} * max |float32| "
-                f"{scale:.3g} (relative {err / scale:.3g})"
-            )
-
-
-# -- the checks ----------------------------------------------------------------------------------------
-def make_optimizer():
-    """Adam with an eps large enough that the first step is Lipschitz in the gradient.
-
-    (With eps ~ 1e-8 the first Adam step is lr * sign(g): a gradient entry that is zero up to float32
-    rounding would flip sign and the comparison would measure noise, not scalify.)
-    """
-    return optax.adam(1e-2, eps=1e-2)
-
-
-@dataclasses.dataclass
-class Case:
-    """A model under test: ``loss(params, batch) -> scalar`` plus float32 params and one batch."""
-
-    name: str
-    loss: Callable[[Any, Any], jax.Array]
-    params: Any
-    batch: Any
-    _memo: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    def quantized(self, fmt_name):
-        """(fmt, qparams, float32 params equal to the dequantized qparams); skip if no leaf fits the layout."""
-        if fmt_name not in self._memo:
-            fmt = qf.get_format(fmt_name)
-            qparams = quantize_tree(self.params, fmt)
-            self._memo[fmt_name] = (fmt, qparams, dequantize_tree(qparams))
-        fmt, qparams, dparams = self._memo[fmt_name]
-        if n_scaled(qparams) == 0:
-            pytest.skip(
-                f"no parameter of {self.name} has a shape that {fmt_name} accepts ({fmt.layout.describe()}): "
-                "nothing to scale"
-            )
-        return fmt, qparams, dparams
-
-    def step_fn(self):
-        opt = make_optimizer()
-        loss = self.loss
-
-        def step(params, opt_state, batch):
-            value, grads = jax.value_and_grad(loss)(params, batch)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return value, grads, optax.apply_updates(params, updates), opt_state
-
-        return opt, step
-
-
-def run_loss(case: Case, fmt_name: str):
-    fmt, qparams, dparams = case.quantized(fmt_name)
-    expected = case.loss(dparams, case.batch)
-    assert np.isfinite(float(expected)), f"{case.name}: float32 loss is not finite"
-    got = jax.jit(scalify.scalify(case.loss))(qparams, case.batch)
-    assert_tree_close(got, expected, fmt, f"{case.name} loss")
-
-
-def run_step(case: Case, fmt_name: str):
-    """One jit(scalify(step)) per format: value_and_grad, then an Adam update. Returns got and expected."""
-    fmt, qparams, dparams = case.quantized(fmt_name)
-    opt, step = case.step_fn()
-    state = opt.init(dparams)
-    expected = step(dparams, state, case.batch)
-    got = jax.jit(scalify.scalify(step))(qparams, state, case.batch)
-    return fmt, got, expected
-
-
-class StepResults:
-    """Memoises run_step per (case, format), so the grad and update tests share one compilation."""
-
-    def __init__(self):
-        self._results: dict = {}
-
-    def get(self, case: Case, fmt_name: str):
-        key = (case.name, fmt_name)
-        if key not in self._results:
-            try:
-                self._results[key] = ("ok", run_step(case, fmt_name))
-            except pytest.skip.Exception:
-                raise
-            except Exception as exc:  # re-raised by each test that needs the result
-                self._results[key] = ("error", exc)
-        status, value = self._results[key]
-        if status == "error":
-            raise value
-        return value
-
-
-def check_grad(results: StepResults, case: Case, fmt_name: str):
-    fmt, got, expected = results.get(case, fmt_name)
-    assert_tree_close(got[0], expected[0], fmt, f"{case.name} value in value_and_grad")
-    assert_tree_close(got[1], expected[1], fmt, f"{case.name} grad")
-
-
-def check_update(results: StepResults, case: Case, fmt_name: str):
-    fmt, got, expected = results.get(case, fmt_name)
-    assert_tree_close(got[2], expected[2], fmt, f"{case.name} adam-updated params")
-    assert_tree_close(got[3], expected[3], fmt, f"{case.name} adam state")

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
 
 eqx = pytest.importorskip("equinox", reason="equinox is not installed (pip install -e '.[test]')")
 
-VOCAB, D, HEADS, HIDDEN, BATCH, T, CLASSES = 64, 64, 2, 128, 2, 8, 32
+VOCAB, CLASSES = 64, 32
 
 
 class AttentionBlock(eqx.Module):
@@ -27,13 +27,13 @@ class AttentionBlock(eqx.Module):
     rms: eqx.nn.RMSNorm
     mlp: eqx.nn.MLP
 
-    def __init__(self, key):
+    def __init__(self, d, key):
         k = jax.random.split(key, 3)
-        self.embed = eqx.nn.Embedding(VOCAB, D, key=k[0])
-        self.ln = eqx.nn.LayerNorm(D)
-        self.attn = eqx.nn.MultiheadAttention(HEADS, D, key=k[1])
-        self.rms = eqx.nn.RMSNorm(D)
-        self.mlp = eqx.nn.MLP(D, VOCAB, HIDDEN, depth=2, activation=jax.nn.gelu, key=k[2])
+        self.embed = eqx.nn.Embedding(VOCAB, d, key=k[0])
+        self.ln = eqx.nn.LayerNorm(d)
+        self.attn = eqx.nn.MultiheadAttention(d // 32, d, key=k[1])
+        self.rms = eqx.nn.RMSNorm(d)
+        self.mlp = eqx.nn.MLP(d, VOCAB, 2 * d, depth=2, activation=jax.nn.gelu, key=k[2])
 
     def __call__(self, tokens):  # one sequence [T]
         x = jax.vmap(self.embed)(tokens)
@@ -48,11 +48,11 @@ class SmallCNN(eqx.Module):
     conv2: eqx.nn.Conv2d
     head: eqx.nn.MLP
 
-    def __init__(self, key):
+    def __init__(self, width, key):
         k = jax.random.split(key, 3)
-        self.conv1 = eqx.nn.Conv2d(3, 16, kernel_size=3, padding=1, key=k[0])
-        self.conv2 = eqx.nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1, key=k[1])
-        self.head = eqx.nn.MLP(32 * 4 * 4, CLASSES, 64, depth=1, activation=jax.nn.relu, key=k[2])
+        self.conv1 = eqx.nn.Conv2d(3, width // 2, kernel_size=3, padding=1, key=k[0])
+        self.conv2 = eqx.nn.Conv2d(width // 2, width, kernel_size=3, stride=2, padding=1, key=k[1])
+        self.head = eqx.nn.MLP(width * 4 * 4, CLASSES, 2 * width, depth=1, activation=jax.nn.relu, key=k[2])
 
     def __call__(self, image):  # one image [C, H, W]
         h = jax.nn.relu(self.conv1(image))
@@ -70,31 +70,36 @@ def _split_case(name, model, batch, per_example_loss):
     return Case(name, loss, params, batch)
 
 
-def attention_case():
+def attention_case(d_model=64, batch=2, seq=8):
+    """Width ``d_model`` (a multiple of 32), heads of 32, MLP 2 * d_model."""
     rng = np.random.default_rng(2)
-    tokens = jnp.asarray(rng.integers(0, VOCAB, size=(BATCH, T + 1)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, size=(batch, seq + 1)), jnp.int32)
 
     def per_example(m, seq):
         logits = m(seq[:-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, seq[1:]).mean()
 
-    return _split_case("eqx_attention_block", AttentionBlock(jax.random.key(2)), (tokens,), per_example)
+    return _split_case("eqx_attention_block", AttentionBlock(d_model, jax.random.key(2)), (tokens,), per_example)
 
 
-def cnn_case():
+def cnn_case(d_model=32, batch=2, seq=None):
+    """8x8 RGB images, ``d_model`` channels after the second conv (``seq`` is unused)."""
     rng = np.random.default_rng(3)
-    images = jnp.asarray(rng.standard_normal((BATCH, 3, 8, 8)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, CLASSES, size=(BATCH,)), jnp.int32)
+    images = jnp.asarray(rng.standard_normal((batch, 3, 8, 8)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, CLASSES, size=(batch,)), jnp.int32)
 
     def per_example(m, image, label):
         return optax.softmax_cross_entropy_with_integer_labels(m(image), label)
 
-    return _split_case("eqx_cnn", SmallCNN(jax.random.key(3)), (images, labels), per_example)
+    return _split_case("eqx_cnn", SmallCNN(d_model, jax.random.key(3)), (images, labels), per_example)
 
 
-@pytest.fixture(scope="module", params=["attention_block", "cnn"])
+CASES = {"eqx_attention_block": attention_case, "eqx_cnn": cnn_case}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def case(request):
-    return {"attention_block": attention_case, "cnn": cnn_case}[request.param]()
+    return CASES[request.param]()
 
 
 STEPS = StepResults()

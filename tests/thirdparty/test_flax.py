@@ -13,17 +13,17 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
 
 flax = pytest.importorskip("flax", reason="flax is not installed (pip install -e '.[test]')")
 from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
-VOCAB, D, HEADS, HIDDEN, BATCH, T = 64, 64, 2, 128, 2, 8
+VOCAB = 64
 
 
-def _tokens(seed=0):
-    return jax.numpy.asarray(np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, T + 1)), jax.numpy.int32)
+def _tokens(seed, batch, seq):
+    return jax.numpy.asarray(np.random.default_rng(seed).integers(0, VOCAB, size=(batch, seq + 1)), jax.numpy.int32)
 
 
 def _next_token_loss(logits, targets):
@@ -31,14 +31,14 @@ def _next_token_loss(logits, targets):
 
 
 class NNXDecoder(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-        self.ln1 = nnx.LayerNorm(D, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(D, rngs=rngs)
-        self.fc1 = nnx.Linear(D, HIDDEN, rngs=rngs)
-        self.fc2 = nnx.Linear(HIDDEN, D, rngs=rngs)
-        self.ln_f = nnx.LayerNorm(D, rngs=rngs)
+    def __init__(self, d, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=d // 32, in_features=d, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.fc1 = nnx.Linear(d, 2 * d, rngs=rngs)
+        self.fc2 = nnx.Linear(2 * d, d, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
@@ -47,34 +47,39 @@ class NNXDecoder(nnx.Module):
         return self.embed.attend(self.ln_f(x))
 
 
-def nnx_case():
-    graphdef, state = nnx.split(NNXDecoder(nnx.Rngs(0)))
+def nnx_case(d_model=64, batch=2, seq=8):
+    """Width ``d_model`` (a multiple of 32), heads of 32, MLP 2 * d_model."""
+    graphdef, state = nnx.split(NNXDecoder(d_model, nnx.Rngs(0)))
 
     def loss(state, tokens):
         model = nnx.merge(graphdef, state)
         return _next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
-    return Case("flax_nnx_decoder", loss, state, _tokens(0))
+    return Case("flax_nnx_decoder", loss, state, _tokens(0, batch, seq))
 
 
 class LinenDecoder(nn.Module):
+    d: int = 64
+
     @nn.compact
     def __call__(self, tokens):
-        embed = nn.Embed(VOCAB, D, embedding_init=nn.initializers.normal(stddev=1.0))
+        d = self.d
+        embed = nn.Embed(VOCAB, d, embedding_init=nn.initializers.normal(stddev=1.0))
         x = embed(tokens)
-        x = x + self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (1, tokens.shape[1], D))
-        y = nn.SelfAttention(num_heads=HEADS, qkv_features=D, deterministic=True)(
+        x = x + self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (1, tokens.shape[1], d))
+        y = nn.SelfAttention(num_heads=d // 32, qkv_features=d, deterministic=True)(
             nn.LayerNorm()(x), mask=nn.make_causal_mask(tokens)
         )
         x = x + y
-        y = nn.Dense(D)(nn.relu(nn.Dense(HIDDEN)(nn.LayerNorm()(x))))
+        y = nn.Dense(d)(nn.relu(nn.Dense(2 * d)(nn.LayerNorm()(x))))
         x = x + y
         return embed.attend(nn.LayerNorm()(x))
 
 
-def linen_case():
-    model = LinenDecoder()
-    tokens = _tokens(1)
+def linen_case(d_model=64, batch=2, seq=8):
+    """Width ``d_model`` (a multiple of 32), heads of 32, MLP 2 * d_model, learned positions."""
+    model = LinenDecoder(d_model)
+    tokens = _tokens(1, batch, seq)
     params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
 
     def loss(params, tokens):
@@ -83,9 +88,12 @@ def linen_case():
     return Case("flax_linen_decoder", loss, params, tokens)
 
 
-@pytest.fixture(scope="module", params=["nnx", "linen"])
+CASES = {"flax_nnx": nnx_case, "flax_linen": linen_case}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def case(request):
-    return {"nnx": nnx_case, "linen": linen_case}[request.param]()
+    return CASES[request.param]()
 
 
 STEPS = StepResults()

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
 
 K_MASK = -2.3819763e38  # the mask literal of Gemma's reference attention
 
@@ -131,10 +131,18 @@ def synthetic_tokens(cfg: GemmaConfig, batch=2, length=9, seed=0):
     return jnp.asarray(tokens, jnp.int32)
 
 
+def gemma_case(d_model=64, batch=2, seq=8):
+    """Width ``d_model`` (a multiple of 64): heads of 32, one KV head per two query heads, MLP 2 * d_model."""
+    cfg = GemmaConfig(d_model=d_model, heads=d_model // 32, kv_heads=d_model // 64, hidden=2 * d_model)
+    return Case("gemma", make_loss(cfg), init_params(cfg, jax.random.key(0)), synthetic_tokens(cfg, batch, seq + 1))
+
+
+CASES = {"gemma": gemma_case}
+
+
 @pytest.fixture(scope="module")
 def case():
-    cfg = GemmaConfig()
-    return Case("gemma", make_loss(cfg), init_params(cfg, jax.random.key(0)), synthetic_tokens(cfg))
+    return gemma_case()
 
 
 STEPS = StepResults()

@@ -12,24 +12,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
 
 hk = pytest.importorskip("haiku", reason="dm-haiku is not installed (pip install -e '.[test]')")
 
-VOCAB, EMBED, HIDDEN, BATCH, T = 64, 32, 32, 2, 8
+VOCAB = 64
 
 
-def _logits(tokens):  # tokens [T, B], time-major as dynamic_unroll expects
-    x = hk.Embed(VOCAB, EMBED)(tokens)
-    core = hk.LSTM(HIDDEN)
-    out, _ = hk.dynamic_unroll(core, x, core.initial_state(tokens.shape[1]))
-    return hk.Linear(VOCAB)(out)
+def lstm_case(d_model=32, batch=2, seq=8):
+    """Embedding width and LSTM hidden size ``d_model`` (a multiple of 32)."""
 
+    def logits(tokens):  # tokens [T, B], time-major as dynamic_unroll expects
+        x = hk.Embed(VOCAB, d_model)(tokens)
+        core = hk.LSTM(d_model)
+        out, _ = hk.dynamic_unroll(core, x, core.initial_state(tokens.shape[1]))
+        return hk.Linear(VOCAB)(out)
 
-@pytest.fixture(scope="module")
-def case():
-    model = hk.without_apply_rng(hk.transform(_logits))
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, size=(T + 1, BATCH)), jnp.int32)
+    model = hk.without_apply_rng(hk.transform(logits))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, size=(seq + 1, batch)), jnp.int32)
     params = model.init(jax.random.key(4), tokens[:-1])
 
     def loss(params, tokens):
@@ -37,6 +37,14 @@ def case():
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[1:]).mean()
 
     return Case("haiku_lstm", loss, params, tokens)
+
+
+CASES = {"haiku_lstm": lstm_case}
+
+
+@pytest.fixture(scope="module")
+def case():
+    return lstm_case()
 
 
 STEPS = StepResults()

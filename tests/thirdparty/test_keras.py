@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
 
 keras = pytest.importorskip("keras", minversion="3.0", reason="keras 3 is not installed (pip install -e '.[test]')")
 if keras.backend.backend() != "jax":
     pytest.skip(f"keras was imported with the {keras.backend.backend()} backend, not jax", allow_module_level=True)
 
-VOCAB, D, HEADS, HIDDEN, BATCH, T = 64, 64, 2, 128, 2, 8
+VOCAB = 64
 
 
 class TiedReadout(keras.layers.Layer):
@@ -34,34 +34,42 @@ class TiedReadout(keras.layers.Layer):
         return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
 
 
-def gpt2_backbone():
+def gpt2_backbone(d, seq):
     keras.utils.set_random_seed(5)
-    tokens = keras.Input((T,), dtype="int32")
-    token_embedding = keras.layers.Embedding(VOCAB, D)
-    positions = keras.ops.expand_dims(keras.ops.arange(T), 0)
-    x = token_embedding(tokens) + keras.layers.Embedding(T, D)(positions)
+    tokens = keras.Input((seq,), dtype="int32")
+    token_embedding = keras.layers.Embedding(VOCAB, d)
+    positions = keras.ops.expand_dims(keras.ops.arange(seq), 0)
+    x = token_embedding(tokens) + keras.layers.Embedding(seq, d)(positions)
     h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-    h = keras.layers.MultiHeadAttention(HEADS, key_dim=D // HEADS)(h, h, use_causal_mask=True)
+    h = keras.layers.MultiHeadAttention(d // 32, key_dim=32)(h, h, use_causal_mask=True)
     x = x + h
     h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-    h = keras.layers.Dense(HIDDEN, activation="gelu")(h)
-    x = x + keras.layers.Dense(D)(h)
+    h = keras.layers.Dense(2 * d, activation="gelu")(h)
+    x = x + keras.layers.Dense(d)(h)
     x = keras.layers.LayerNormalization(epsilon=1e-5)(x)
     return keras.Model(tokens, TiedReadout(token_embedding)(x))
 
 
-@pytest.fixture(scope="module")
-def case():
-    model = gpt2_backbone()
+def gpt2_case(d_model=64, batch=2, seq=8):
+    """Width ``d_model`` (a multiple of 32), heads of 32, MLP 2 * d_model."""
+    model = gpt2_backbone(d_model, seq)
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
-    batch = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, size=(BATCH, T + 1)), jnp.int32)
+    batch = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, size=(batch, seq + 1)), jnp.int32)
 
     def loss(trainable, tokens):
         logits, _ = model.stateless_call(trainable, non_trainable, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     return Case("keras_gpt2_backbone", loss, trainable, batch)
+
+
+CASES = {"keras_gpt2": gpt2_case}
+
+
+@pytest.fixture(scope="module")
+def case():
+    return gpt2_case()
 
 
 STEPS = StepResults()

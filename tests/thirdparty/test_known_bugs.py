@@ -7,7 +7,7 @@
 
 Both are checked against the float32 program on the dequantized values, for every registered format
 where the format accepts the operand's shape. The carrier is float32 and scales are powers of two,
-so the tolerance is float32 rounding (see conftest.PROPAGATION_RTOL).
+so the tolerance is float32 rounding (see thirdparty_harness.PROPAGATION_RTOL).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import _accepts, assert_tree_close, dequantize_tree
+from thirdparty_harness import _accepts, assert_tree_close, dequantize_tree
 
 import qformats as qf
 import scalify
