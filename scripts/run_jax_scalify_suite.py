@@ -40,13 +40,14 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-PACKAGE = "jax-scalify"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _jax_scalify_source import fetch_sdist
+
 TEST_DEPS = ("chex", "absl-py", "toolz")
 
 # jax_scalify module -> {public name: expression over `scalify`}.
@@ -246,20 +247,6 @@ def parse_junit(path: Path, classes) -> list[dict]:
 
 
 # -- fetch and run ----------------------------------------------------------------------------------
-def fetch_sdist(work: Path) -> Path:
-    dl = work / "sdist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dl), PACKAGE],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    (archive,) = list(dl.glob("*.tar.gz"))
-    with tarfile.open(archive) as tar:
-        tar.extractall(work / "src", filter="data")
-    (root,) = list((work / "src").iterdir())
-    return root
-
-
 def install_test_deps(work: Path) -> Path:
     target = work / "deps"
     missing = []
