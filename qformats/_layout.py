@@ -17,6 +17,7 @@ import abc
 import math
 
 import attrs
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -62,7 +63,58 @@ def block_reduce(x, block, reducer=jnp.max):
         return reducer(x)
     grid = grid_shape(shape, block)
     inter = [d for pair in zip(grid, block, strict=True) for d in pair]
-    return reducer(x.reshape(inter), axis=tuple(range(1, 2 * len(shape), 2)))
+    return reducer(reshape(x, inter), axis=tuple(range(1, 2 * len(shape), 2)))
+
+
+def reshape(x, shape):
+    """``x.reshape(shape)``, also for arrays sharded over ``Explicit`` mesh axes.
+
+    With explicit sharding, the sharding is part of the array's type and JAX infers a reshape's
+    output sharding only for one split or one merge of an axis. The layouts reshape more freely
+    (``(16, 256) -> (16, 1, 8, 32)`` and back), so the output sharding is worked out here and
+    passed as ``out_sharding``: within each group of axes whose sizes multiply to the same number,
+    the sharding of the group's leading axis moves to the group's leading output axis when that
+    axis splits evenly over it (no data moves), and the group is replicated otherwise (XLA then
+    moves the data, as GSPMD does for such reshapes under ``Auto`` axes).
+    """
+    shape = tuple(int(d) for d in shape)
+    out_sharding = _explicit_reshape_sharding(x, shape)
+    if out_sharding is None:
+        return x.reshape(shape) if hasattr(x, "reshape") else jnp.reshape(x, shape)
+    return jnp.reshape(x, shape, out_sharding=out_sharding)
+
+
+def _explicit_reshape_sharding(x, shape):
+    """The output sharding for :func:`reshape`, or ``None`` when ``x`` has no explicit sharding."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None or not isinstance(x, jax.Array) or not x.size:  # numpy, Python scalars, empty
+        return None
+    sharding = getattr(typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(e is None for e in spec):
+        return None
+    mesh_shape = dict(sharding.mesh.shape)
+    in_shape = tuple(x.shape)
+    entries = tuple(spec) + (None,) * (len(in_shape) - len(tuple(spec)))
+    out = [None] * len(shape)
+    i = j = 0
+    while i < len(in_shape) and j < len(shape):
+        # the smallest run of input axes [i, i2) and output axes [j, j2) with equal products
+        i2, j2, pi, pj = i + 1, j + 1, in_shape[i], shape[j]
+        while pi != pj:
+            if pi < pj:
+                pi, i2 = pi * in_shape[i2], i2 + 1
+            else:
+                pj, j2 = pj * shape[j2], j2 + 1
+        lead_in = next((a for a in range(i, i2) if in_shape[a] != 1), None)
+        lead_out = next((b for b in range(j, j2) if shape[b] != 1), None)
+        entry = None if lead_in is None else entries[lead_in]
+        if entry is not None and all(entries[a] is None for a in range(i, i2) if a != lead_in):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if shape[lead_out] % math.prod(int(mesh_shape[n]) for n in names) == 0:
+                out[lead_out] = entry
+        i, j = i2, j2
+    return sharding.update(spec=spec.update(partitions=tuple(out)))
 
 
 def _abs_bits(x):
@@ -81,7 +133,7 @@ def _max_over_rows(bits):
     rows, cols = bits.shape
     for g in (16, 8, 32, 4):
         if rows % g == 0 and rows >= 2 * g:
-            part = jnp.max(bits.reshape(rows // g, g, cols), axis=1)
+            part = jnp.max(reshape(bits, (rows // g, g, cols)), axis=1)
             part = lax.bitcast_convert_type(part, jnp.uint32)
             return lax.bitcast_convert_type(jnp.max(part, axis=0), jnp.int32)
     return jnp.max(bits, axis=0)
@@ -155,10 +207,10 @@ def block_amax(x, block, *, exact: bool = False):
     cols = _columns_view(x.shape, block) if x.size else None
     if cols is not None:
         # One vectorised pass over the rows of a 2-D view: exact, and NaN-aware at no extra cost.
-        m = _max_over_rows(_abs_bits(x).reshape(cols))
+        m = _max_over_rows(reshape(_abs_bits(x), cols))
         if math.prod(grid) == 1:  # per-tensor: the columns of the view are not the scale grid
             m = jnp.max(m)
-        return lax.bitcast_convert_type(m, jnp.float32).reshape(grid)
+        return reshape(lax.bitcast_convert_type(m, jnp.float32), grid)
 
     def exact_amax(x):
         return lax.bitcast_convert_type(block_reduce(_abs_bits(x), block, jnp.max), jnp.float32)
@@ -182,12 +234,12 @@ def has_nan(x):
 def expand(scale, shape, block):
     """Broadcast a scale-grid array to the full data ``shape`` (each block gets its scale)."""
     if not shape:
-        return scale.reshape(())
+        return reshape(scale, ())
     grid = grid_shape(shape, block)
-    scale = jnp.reshape(scale, grid)
+    scale = reshape(scale, grid)
     inter = [d for g in grid for d in (g, 1)]
     full = [d for pair in zip(grid, block, strict=True) for d in pair]
-    return jnp.broadcast_to(scale.reshape(inter), full).reshape(shape)
+    return reshape(jnp.broadcast_to(reshape(scale, inter), full), shape)
 
 
 @attrs.frozen

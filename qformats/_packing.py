@@ -11,23 +11,25 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from qformats._layout import reshape
+
 
 def _split(x, axis, k):
     """Reshape ``axis`` of length ``n`` into ``(n // k, k)``; returns the k slices."""
     shape = x.shape
-    g = x.reshape((*shape[:axis], shape[axis] // k, k, *shape[axis + 1 :]))
+    g = reshape(x, (*shape[:axis], shape[axis] // k, k, *shape[axis + 1 :]))
     return [jnp.take(g, i, axis=axis + 1) for i in range(k)]
 
 
 def _join(parts, axis):
     st = jnp.stack(parts, axis=axis + 1)
     shape = parts[0].shape
-    return st.reshape((*shape[:axis], shape[axis] * len(parts), *shape[axis + 1 :]))
+    return reshape(st, (*shape[:axis], shape[axis] * len(parts), *shape[axis + 1 :]))
 
 
 def _group_word(x, k, word):
     """View the last axis of uint8 ``x`` as words of ``k`` bytes (little-endian), shape ``(..., n // k)``."""
-    return lax.bitcast_convert_type(x.reshape((*x.shape[:-1], x.shape[-1] // k, k)), word)
+    return lax.bitcast_convert_type(reshape(x, (*x.shape[:-1], x.shape[-1] // k, k)), word)
 
 
 def _word_bytes(w, k):
@@ -35,7 +37,7 @@ def _word_bytes(w, k):
     b = lax.bitcast_convert_type(w, jnp.uint8)
     if k == 3:
         b = b[..., :3]
-    return b.reshape((*w.shape[:-1], w.shape[-1] * k))
+    return reshape(b, (*w.shape[:-1], w.shape[-1] * k))
 
 
 def _pack_last(codes, bits, materialized):
@@ -48,10 +50,10 @@ def _pack_last(codes, bits, materialized):
         # Codes already in memory: each output byte straight from the two codes it takes bits
         # from, stacked in threes, is about 2x faster than the words below. (Fused into an element
         # encoder, XLA would recompute the codes for every byte, several times slower.)
-        g = codes.reshape((*codes.shape[:-1], codes.shape[-1] // 4, 4))
+        g = reshape(codes, (*codes.shape[:-1], codes.shape[-1] // 4, 4))
         c0, c1, c2, c3 = (g[..., i] for i in range(4))
         packed = jnp.stack([c0 | (c1 << 6), (c1 >> 2) | (c2 << 4), (c2 >> 4) | (c3 << 2)], axis=-1)
-        return packed.reshape((*codes.shape[:-1], codes.shape[-1] * 3 // 4))
+        return reshape(packed, (*codes.shape[:-1], codes.shape[-1] * 3 // 4))
     w = _group_word(codes, 4, jnp.uint32)  # c0 | c1 << 8 | c2 << 16 | c3 << 24
     w = (w & 0x3F) | ((w >> 2) & 0xFC0) | ((w >> 4) & 0x3F000) | ((w >> 6) & 0xFC0000)
     return _word_bytes(w, 3)
@@ -61,7 +63,7 @@ def _unpack4_last(packed):
     # Each output code reads its (broadcast) byte and shifts by its position: an elementwise
     # expression that fuses into the decoder. (For fp6 the slices + stack below measured faster.)
     codes = (packed[..., :, None] >> jnp.array([0, 4], jnp.uint8)) & 0xF
-    return codes.reshape((*packed.shape[:-1], packed.shape[-1] * 2))
+    return reshape(codes, (*packed.shape[:-1], packed.shape[-1] * 2))
 
 
 def pack(codes, bits: int, axis: int, *, materialized: bool = False):

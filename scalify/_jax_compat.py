@@ -154,12 +154,39 @@ def custom_vjp_bwd(eqn, residuals, cotangents, in_avals):
     return res
 
 
+_EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+
+
+def explicit_sharding(x):
+    """The sharding in ``x``'s type when its mesh has ``Explicit`` axes (sharded or not), else ``None``.
+
+    Under ``AxisType.Explicit`` mesh axes (the default of ``jax.make_mesh``), an array's sharding is
+    part of its type (``jax.typeof(x).sharding``), and JAX checks it operation by operation; under
+    ``Auto`` axes, and outside any mesh, the type carries no sharding (every entry is ``None``).
+    """
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # pragma: no cover - JAX without explicit sharding
+        return None
+    try:
+        sharding = getattr(typeof(x), "sharding", None)
+    except TypeError:
+        return None
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", None) or ()
+    if getattr(sharding, "spec", None) is None or not any(t == _EXPLICIT for t in axis_types):
+        return None
+    return sharding
+
+
 def logical_aval(shape, dtype, leaves):
-    """``ShapeDtypeStruct(shape, dtype)`` carrying the shard_map varying axes of ``leaves``.
+    """``ShapeDtypeStruct(shape, dtype)`` carrying the explicit sharding and the shard_map varying
+    axes of ``leaves`` (a ScaledArray's ``data`` first, then its scale leaves).
 
     Inside ``shard_map`` (``check_vma=True``) a value's type records the mesh axes it varies over;
     tracing a ScaledArray as a bare shape would lose them, and JAX would then not insert the
-    ``pvary`` casts that binary operations between varying and replicated operands need.
+    ``pvary`` casts that binary operations between varying and replicated operands need. Likewise,
+    under ``Explicit`` mesh axes the type records the sharding: the logical array is sharded like
+    its ``data`` (a packed axis is sharded on whole bytes, so the same ``PartitionSpec`` splits the
+    logical axis evenly), so the constants and broadcasts JAX traces next to it get that sharding too.
     """
     axes, aval = frozenset(), None
     for leaf in leaves:
@@ -167,12 +194,20 @@ def logical_aval(shape, dtype, leaves):
         if mat is not None and mat.varying:
             axes |= frozenset(mat.varying)
             aval = aval or jax.typeof(leaf)
-    if not axes:
+    data_sharding = explicit_sharding(leaves[0]) if leaves else None
+    if not axes and data_sharding is None:
         return jax.ShapeDtypeStruct(shape, dtype)
+    if data_sharding is not None:
+        spec = data_sharding.spec
+        sharding = jax.sharding.NamedSharding(data_sharding.mesh, spec.update(partitions=tuple(spec)[: len(shape)]))
+    else:
+        sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     mat = aval.manual_axis_type
     return jax.ShapeDtypeStruct(
         shape,
         dtype,
-        sharding=jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()),
+        sharding=sharding,
         manual_axis_type=type(mat)(varying=axes, unreduced=mat.unreduced, reduced=mat.reduced),
     )

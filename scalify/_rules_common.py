@@ -425,7 +425,7 @@ def align(xs, combine=combine_max, *, dtype=None):
         dt = p.data.dtype if dtype is None else dtype
         if isinstance(p.scale, _Static):
             # The fill's data is v / common, in float32 (common is a power of two: exact).
-            ratio, data = lax.div(np.float32(1.0), cast(common, F32)), lax.full(p.data.shape, p.scale.value, F32)
+            ratio, data = lax.div(np.float32(1.0), cast(common, F32)), lax.full_like(p.data, p.scale.value, F32)
         else:
             ratio, data = ratio_of.get(id(p)), p.data
         if ratio is None:

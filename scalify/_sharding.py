@@ -161,6 +161,35 @@ def scaled_sharding(x, data_sharding, *, mesh=None):
     return jax.tree.map(sub, data_sharding, x, is_leaf=_is_spec_leaf)
 
 
+def _concrete_mesh(mesh):
+    """``mesh`` if it is a device mesh, else the ambient one of ``jax.set_mesh`` (``None`` if none)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    try:
+        ambient = get_mesh() if get_mesh is not None else None
+    except Exception:  # pragma: no cover - outside any mesh context on some JAX versions
+        ambient = None
+    return ambient if isinstance(ambient, jax.sharding.Mesh) and not ambient.empty else None
+
+
 def device_put(x, data_sharding, *, mesh=None):
-    """``jax.device_put`` of a pytree that may hold ScaledArrays, data and scales laid out consistently."""
-    return jax.device_put(x, scaled_sharding(x, data_sharding, mesh=mesh))
+    """``jax.device_put`` of a pytree that may hold ScaledArrays, data and scales laid out consistently.
+
+    ``data_sharding`` is as for :func:`scaled_sharding`. ``PartitionSpec``s are placed on ``mesh``
+    (default: the mesh of ``jax.set_mesh``), e.g. to lay out ``shard_map`` inputs as its
+    ``in_specs`` say, which ``Explicit`` mesh axes (``jax.make_mesh``'s default) require.
+    """
+    shardings = scaled_sharding(x, data_sharding, mesh=mesh)
+    specs = [v for v in jax.tree.leaves(shardings, is_leaf=_is_spec_leaf) if isinstance(v, PartitionSpec)]
+    if specs:
+        target = _concrete_mesh(mesh)
+        if target is None:
+            raise ValueError(
+                f"scalify.device_put got PartitionSpecs ({specs[0]}, ...) but no mesh to place them on: pass "
+                f"mesh=jax.make_mesh(...), run under `with jax.set_mesh(mesh):`, or pass NamedShardings."
+            )
+        shardings = jax.tree.map(
+            lambda v: NamedSharding(target, v) if isinstance(v, PartitionSpec) else v, shardings, is_leaf=_is_spec_leaf
+        )
+    return jax.device_put(x, shardings)

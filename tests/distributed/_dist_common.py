@@ -17,8 +17,23 @@ from scalify.train._models import GPTConfig, Numerics, gpt_init, layer_norm, qei
 D_IN, D_HID, D_OUT, BATCH = 64, 128, 64, 16
 
 
-def mesh_2x4():
-    return jax.make_mesh((2, 4), ("d", "m"), axis_types=(AxisType.Auto, AxisType.Auto))
+# Mesh axis types: "explicit" is what ``jax.make_mesh`` gives by default (the sharding is part of
+# each array's type, and JAX checks it operation by operation); "auto" is the classic GSPMD mesh.
+# Every test runs on an explicit mesh; the ones that take ``AXES`` also run on an auto one (a
+# representative subset, to keep the suite's time in check).
+AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+AXES = list(AXIS_TYPES)
+
+
+def mesh_2x4(axes="explicit"):
+    """The 2x4 ``("d", "m")`` mesh; ``axes="explicit"`` is ``jax.make_mesh``'s default."""
+    if axes == "explicit":
+        return jax.make_mesh((2, 4), ("d", "m"))
+    return jax.make_mesh((2, 4), ("d", "m"), axis_types=(AXIS_TYPES[axes],) * 2)
+
+
+def explicit(mesh) -> bool:
+    return all(t == AxisType.Explicit for t in mesh.axis_types)
 
 
 def mlp_data(seed=0):
@@ -32,14 +47,17 @@ def mlp_data(seed=0):
     return params, x, y
 
 
-def loss_fn(params, x, y):
+def loss_fn(params, x, y, out_sharding=None):
+    """``out_sharding``: the sharding of the output of the second matmul. Under explicit axes a
+    row-split ``w2`` (tensor parallelism) contracts a sharded axis, and JAX asks the program to say
+    how the sum is laid out (``P("d", None)``: reduced over "m"); elsewhere ``None``."""
     h = jax.nn.relu(x @ params["w1"])
-    out = h @ params["w2"]
+    out = jnp.matmul(h, params["w2"], out_sharding=out_sharding)
     return jnp.mean((out - y) ** 2)
 
 
-def train_step(params, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+def train_step(params, x, y, out_sharding=None):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y, out_sharding)
     new = jax.tree.map(lambda w, g: w - 0.5 * g, params, grads)
     return new, loss
 
@@ -153,14 +171,18 @@ def _identity(v):
     return v
 
 
-def _mm(spec, a, b):
-    return qeinsum(_NUM, spec, a, b, (-1, -2), (0, -1))
+def _mm(spec, a, b, out_sharding=None):
+    if out_sharding is None:
+        return qeinsum(_NUM, spec, a, b, (-1, -2), (0, -1))
+    return jnp.einsum(spec, a, b, out_sharding=out_sharding)  # qeinsum with _NUM is this einsum
 
 
-def block_apply(p, x, f=_identity, g=_identity):
+def block_apply(p, x, f=_identity, g=_identity, out_sharding=None):
     """The block on ``x`` (B, T, d). ``f`` and ``g`` are Megatron's conjugate operators around the
     tensor-parallel region (``f`` before the column-split matmuls, ``g`` after the row-split ones);
-    identities on one device and under jit shardings, where XLA inserts the collectives."""
+    identities on one device and under jit shardings, where XLA inserts the collectives.
+    ``out_sharding``: the sharding of the row-split matmuls' outputs under explicit mesh axes (there
+    the contracted axis is sharded, and JAX asks the program how the sum is laid out); else None."""
     b, t, _ = x.shape
     hd = BLOCK_CFG.d_model // BLOCK_CFG.n_heads
     h = f(layer_norm(x, p["ln1_g"], p["ln1_b"], _NUM))
@@ -173,19 +195,19 @@ def block_apply(p, x, f=_identity, g=_identity):
     att = jnp.where(np.tril(np.ones((t, t), bool)), att, np.float32(-1e4))  # causal mask
     att = jax.nn.softmax(att, axis=-1)
     y = jnp.einsum("bhts,bhsd->bhtd", att, v).transpose(0, 2, 1, 3).reshape(b, t, -1)
-    x = x + g(_mm("btd,de->bte", y, p["w_proj"]))
+    x = x + g(_mm("btd,de->bte", y, p["w_proj"], out_sharding))
     h = f(layer_norm(x, p["ln2_g"], p["ln2_b"], _NUM))
-    return x + g(_mm("btf,fd->btd", jax.nn.gelu(_mm("btd,df->btf", h, p["w_fc"])), p["w_fc2"]))
+    return x + g(_mm("btf,fd->btd", jax.nn.gelu(_mm("btd,df->btf", h, p["w_fc"])), p["w_fc2"], out_sharding))
 
 
-def block_loss(p, x, y, f=_identity, g=_identity):
-    return jnp.mean((block_apply(p, x, f, g) - y) ** 2)
+def block_loss(p, x, y, f=_identity, g=_identity, out_sharding=None):
+    return jnp.mean((block_apply(p, x, f, g, out_sharding) - y) ** 2)
 
 
-def block_train_step(params, x, y):
+def block_train_step(params, x, y, out_sharding=None):
     """One SGD step. The updated parameters are re-quantized into their formats (they stay held in
     BLOCK_FORMATS from step to step); the loss and the gradients (float32 carriers) come back too."""
-    loss, grads = jax.value_and_grad(block_loss)(params, x, y)
+    loss, grads = jax.value_and_grad(block_loss)(params, x, y, out_sharding=out_sharding)
     new = {k: ops.quantize(w - BLOCK_LR * grads[k], BLOCK_FORMATS[k]) for k, w in params.items()}
     return new, loss, grads
 

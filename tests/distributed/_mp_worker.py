@@ -1,6 +1,6 @@
 """One process of the two-process data-parallel test (launched by test_multiprocess.py).
 
-Usage: python _mp_worker.py PROCESS_ID PORT OUT.npz FMT   (FMT: carrier | mxfp8)
+Usage: python _mp_worker.py PROCESS_ID PORT OUT.npz FMT AXES   (FMT: carrier | mxfp8; AXES: explicit | auto)
 Each process has 4 CPU devices; together they form the 2x4 mesh; the batch is split across them.
 """
 
@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
-pid, port, out_path, fmt_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pid, port, out_path, fmt_name, axes = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
 
@@ -28,7 +28,7 @@ import scalify as jsa  # noqa: E402
 from scalify._sharding import scaled_sharding  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-mesh = mesh_2x4()
+mesh = mesh_2x4(axes)
 params, x, y = mlp_data()
 sp = scaled_params(params, {"carrier": None, "mxfp8": qf.MXFP8}[fmt_name])
 sx = jsa.as_scaled_array(jnp.asarray(x), scale=np.float32(2.0))

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _dist_common import mesh_2x4
+from _dist_common import AXES, mesh_2x4
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qformats as qf
@@ -30,12 +31,18 @@ COLLECTIVES = {
 }
 FORMATS = {"carrier": None, "mxfp8": qf.MXFP8, "fp8_per_tensor": qf.FP8_E4M3, "int8_per_channel": qf.INT8_PER_CHANNEL}
 CASES = [(n, f) for n in COLLECTIVES for f in FORMATS if f != "int8_per_channel" or n in ("psum", "all_to_all")]
+# every case on the explicit mesh (jax.make_mesh's default); on an auto mesh, every collective on MXFP8
+CASES = [(n, f, "explicit") for n, f in CASES] + [(n, "mxfp8", "auto") for n in COLLECTIVES]
 
 
-def _input():
-    # Rows of very different magnitudes: every shard quantizes with its own (different) scales.
+def _input(mesh=None, spec=ROWS):
+    """Rows of very different magnitudes: every shard quantizes with its own (different) scales.
+
+    With a mesh, laid out as ``spec`` (shard_map's in_specs must match the input's sharding under
+    explicit mesh axes; under auto ones, it moves the input itself)."""
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(16, 64)) * 2.0 ** np.arange(-8, 8)[:, None]).astype(np.float32)
+    x = (rng.normal(size=(16, 64)) * 2.0 ** np.arange(-8, 8)[:, None]).astype(np.float32)
+    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def _quantize(v, fmt):
@@ -44,12 +51,12 @@ def _quantize(v, fmt):
     return jsa.as_scaled_array(v, fmt=fmt)
 
 
-@pytest.mark.parametrize("name,fmt_name", CASES, ids=[f"{n}-{f}" for n, f in CASES])
-def test_collective_on_per_shard_scaled_values(name, fmt_name):
+@pytest.mark.parametrize("name,fmt_name,axes", CASES, ids=[f"{n}-{f}-{a}" for n, f, a in CASES])
+def test_collective_on_per_shard_scaled_values(name, fmt_name, axes):
     fmt = FORMATS[fmt_name]
     coll, out_spec = COLLECTIVES[name]
-    mesh = mesh_2x4()
-    x = _input()
+    mesh = mesh_2x4(axes)
+    x = _input(mesh)
 
     def scaled(v):  # quantize inside the shard, run the scalified collective
         out = jsa.scalify(coll)(_quantize(v, fmt))
@@ -66,30 +73,35 @@ def test_collective_on_per_shard_scaled_values(name, fmt_name):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(want))))
 
 
-def test_psum_of_mx_values_with_different_shard_scales():
+@pytest.mark.parametrize("axes", AXES)
+def test_psum_of_mx_values_with_different_shard_scales(axes):
     """The shards' block scales differ by up to 2**15; the sum must not use any one shard's scale."""
-    mesh = mesh_2x4()
+    mesh = mesh_2x4(axes)
     x = _input()
     sx = jsa.as_scaled_array(jnp.asarray(x), fmt=qf.MXFP8)
     specs = scaled_sharding(sx, P("m", None), mesh=mesh)
+    placed = jsa.device_put(sx, P("m", None), mesh=mesh)  # data and scales laid out as in_specs says
 
     def f(s):
         out = jsa.scalify(lambda v: jax.lax.psum(v, "m"))(s)
         return out.to_array(jnp.float32)
 
-    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False))(sx)
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False))(placed)
     want = np.asarray(sx.to_array(jnp.float32)).reshape(4, 4, 64).sum(0)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     scales = np.asarray(qf.MXFP8.scale_values(sx.scale)).reshape(4, 4, 2)
     assert scales.max(0).min() / scales.min(0).max() >= 2.0**8  # the shards really differ
 
 
-@pytest.mark.parametrize("name", ["psum", "pmax", "ppermute", "all_to_all", "psum_scatter"])
-def test_collectives_with_vma_checking(name):
+VMA_CASES = [(n, "explicit") for n in ["psum", "pmax", "ppermute", "all_to_all", "psum_scatter"]] + [("psum", "auto")]
+
+
+@pytest.mark.parametrize("name,axes", VMA_CASES, ids=[f"{n}-{a}" for n, a in VMA_CASES])
+def test_collectives_with_vma_checking(name, axes):
     """shard_map's default check_vma=True (the pvary casts it inserts have a rule too)."""
     coll, out_spec = COLLECTIVES[name]
-    mesh = mesh_2x4()
-    x = _input()
+    mesh = mesh_2x4(axes)
+    x = _input(mesh)
 
     def scaled(v):
         return jsa.scalify(coll)(_quantize(v, qf.MXFP8)).to_array(jnp.float32)
@@ -101,13 +113,14 @@ def test_collectives_with_vma_checking(name):
     np.testing.assert_allclose(np.asarray(run(scaled)), np.asarray(run(plain)), rtol=1e-6, atol=1e-6 * np.abs(x).max())
 
 
+@pytest.mark.parametrize("axes", AXES)
 @pytest.mark.parametrize("fmt_name", ["carrier", "mxfp8"])
-def test_arithmetic_with_replicated_operands_under_vma_checking(fmt_name):
+def test_arithmetic_with_replicated_operands_under_vma_checking(fmt_name, axes):
     """A varying scaled value meeting constants and replicated arrays: scalify traces its function on
     avals that keep shard_map's varying axes, so JAX inserts the pvary casts the operations need."""
-    mesh = mesh_2x4()
-    x = _input()
-    w = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)  # replicated
+    mesh = mesh_2x4(axes)
+    x = _input(mesh)
+    w = jax.device_put(jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32), NamedSharding(mesh, P()))
     f = lambda a, b: (a * 2.0 + b) / 3.0 - jnp.mean(a, axis=-1, keepdims=True)
 
     def scaled(v, b):
@@ -137,8 +150,9 @@ def _all_gather_bytes(hlo: str) -> int:
     return total
 
 
-def _fsdp_gather_bytes(w, spec_w):
-    mesh = mesh_2x4()
+def _fsdp_gather_bytes(w, mesh):
+    spec_w = scaled_sharding(w, ROWS, mesh=mesh)  # data and scale rows split over all 8 devices
+    w = jsa.device_put(w, ROWS, mesh=mesh)
 
     def f(wshard, x):
         full = jsa.scalify(lambda v: jax.lax.all_gather(v, ("d", "m"), axis=0, tiled=True))(wshard)
@@ -153,14 +167,15 @@ def _fsdp_gather_bytes(w, spec_w):
     return _all_gather_bytes(hlo)
 
 
-def test_quantized_all_gather_moves_mxfp8_bytes():
+@pytest.mark.parametrize("axes", AXES)
+def test_quantized_all_gather_moves_mxfp8_bytes(axes):
     """FSDP-style: gathering MXFP8 weights moves 1 + 1/32 bytes per element (fp8 data + E8M0 scales)."""
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.normal(size=(256, 512)).astype(np.float32))
     n = w.size
-    mx = jsa.as_scaled_array(w, fmt=qf.MXFP8)
-    mx_bytes = _fsdp_gather_bytes(mx, scaled_sharding(mx, ROWS, mesh=mesh_2x4()))
-    f32_bytes = _fsdp_gather_bytes(jsa.as_scaled_array(w, scale=np.float32(1.0)), jsa.ScaledArray(ROWS, P()))
+    mesh = mesh_2x4(axes)
+    mx_bytes = _fsdp_gather_bytes(jsa.as_scaled_array(w, fmt=qf.MXFP8), mesh)
+    f32_bytes = _fsdp_gather_bytes(jsa.as_scaled_array(w, scale=np.float32(1.0)), mesh)
     print(f"all-gather bytes/element: MXFP8 {mx_bytes / n:.4f}, float32 carrier {f32_bytes / n:.4f}")
     assert mx_bytes / n == pytest.approx(1 + 1 / 32, abs=1e-3)
     assert f32_bytes / n == pytest.approx(4.0, abs=1e-3)
@@ -176,12 +191,18 @@ def _block_grid(v):
     return jsa.as_scaled_array(v, scale=jnp.maximum(amax, np.float32(1e-30)))
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
-@pytest.mark.parametrize("make", [lambda v: jsa.as_scaled_array(v, fmt=qf.MXFP8), _block_grid], ids=["mxfp8", "grid"])
-def test_psum_scatter_of_block_scaled_value_with_axis_index_groups(make, tiled):
+_MAKERS = {"mxfp8": lambda v: jsa.as_scaled_array(v, fmt=qf.MXFP8), "grid": _block_grid}
+SCATTER_CASES = [(m, t, "explicit") for m in _MAKERS for t in (True, False)] + [("mxfp8", True, "auto")]
+
+
+@pytest.mark.parametrize(
+    "make,tiled,axes", SCATTER_CASES, ids=[f"{m}-{'tiled' if t else 'untiled'}-{a}" for m, t, a in SCATTER_CASES]
+)
+def test_psum_scatter_of_block_scaled_value_with_axis_index_groups(make, tiled, axes):
     """Each shard keeps the scale blocks of the chunk its position in its group receives."""
-    mesh = mesh_2x4()
-    x = _input()
+    make = _MAKERS[make]
+    mesh = mesh_2x4(axes)
+    x = _input(mesh)
     # per shard (2, 64): tiled scatters the 64 columns (2 MX blocks, 4 grid blocks) into 2 chunks;
     # untiled scatters the 2 rows (the scattered axis must have the group's size)
     dim = 1 if tiled else 0

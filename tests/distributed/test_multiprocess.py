@@ -27,8 +27,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("fmt_name", ["carrier", "mxfp8"])
-def test_two_process_data_parallel_step(tmp_path, fmt_name):
+# both formats on the explicit mesh (jax.make_mesh's default), the carrier on an auto mesh too
+MP_CASES = [("carrier", "explicit"), ("mxfp8", "explicit"), ("carrier", "auto")]
+
+
+@pytest.mark.parametrize("fmt_name,axes", MP_CASES, ids=[f"{f}-{a}" for f, a in MP_CASES])
+def test_two_process_data_parallel_step(tmp_path, fmt_name, axes):
     port = _free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
@@ -36,7 +40,7 @@ def test_two_process_data_parallel_step(tmp_path, fmt_name):
     outs = [tmp_path / f"p{i}.npz" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_mp_worker.py"), str(i), str(port), str(outs[i]), fmt_name],
+            [sys.executable, os.path.join(HERE, "_mp_worker.py"), str(i), str(port), str(outs[i]), fmt_name, axes],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _dist_common import mesh_2x4
+from _dist_common import AXES, mesh_2x4
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -51,9 +51,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,fmt,shape,spec,scale_spec", CASES, ids=[c[0] for c in CASES])
-def test_device_put_places_data_and_scale(name, fmt, shape, spec, scale_spec):
-    mesh = mesh_2x4()
+# every case on the explicit mesh (jax.make_mesh's default), the blocked and packed ones on an auto mesh too
+PUT_CASES = [(*c, "explicit") for c in CASES] + [(*c, "auto") for c in CASES if c[1] in (qf.MXFP8, qf.MXFP4)]
+
+
+@pytest.mark.parametrize("name,fmt,shape,spec,scale_spec,axes", PUT_CASES, ids=[f"{c[0]}-{c[-1]}" for c in PUT_CASES])
+def test_device_put_places_data_and_scale(name, fmt, shape, spec, scale_spec, axes):
+    mesh = mesh_2x4(axes)
     x = _x(shape)
     sa = jsa.as_scaled_array(x, scale=np.float32(2.0)) if fmt is None else jsa.as_scaled_array(x, fmt=fmt)
     placed = device_put(sa, NamedSharding(mesh, spec))
@@ -64,8 +68,9 @@ def test_device_put_places_data_and_scale(name, fmt, shape, spec, scale_spec):
     _check_shards_consistent(placed)
 
 
-def test_nvfp4_block_and_tensor_scale():
-    mesh = mesh_2x4()
+@pytest.mark.parametrize("axes", AXES)
+def test_nvfp4_block_and_tensor_scale(axes):
+    mesh = mesh_2x4(axes)
     sa = jsa.as_scaled_array(_x((64, 256)), fmt=qf.NVFP4)
     sh = scaled_sharding(sa, NamedSharding(mesh, P("d", "m")))
     assert sh.scale.block.spec == P("d", "m") and sh.scale.tensor.spec == P()
@@ -75,8 +80,9 @@ def test_nvfp4_block_and_tensor_scale():
     _check_shards_consistent(placed)
 
 
-def test_split_block_is_a_clear_error():
-    mesh = mesh_2x4()
+@pytest.mark.parametrize("axes", ["explicit"])  # spec logic only: the axis type does not enter
+def test_split_block_is_a_clear_error(axes):
+    mesh = mesh_2x4(axes)
     sa = jsa.as_scaled_array(_x((8, 64)), fmt=qf.MXFP8)  # 64 / 4 = 16 < block of 32
     with pytest.raises(ValueError, match=r"axis 1.*length 16.*block of 32"):
         scaled_sharding(sa, NamedSharding(mesh, P(None, "m")))
@@ -85,16 +91,18 @@ def test_split_block_is_a_clear_error():
         scaled_sharding(sa, P(None, "m"), mesh=mesh)
 
 
-def test_packed_bytes_must_not_split():
-    mesh = mesh_2x4()
+@pytest.mark.parametrize("axes", ["explicit"])  # spec logic only: the axis type does not enter
+def test_packed_bytes_must_not_split(axes):
+    mesh = mesh_2x4(axes)
     sa = jsa.as_scaled_array(_x((8, 64)), fmt=qf.MXFP6_E2M3)  # 48 packed bytes along axis 1; 2 blocks
     scaled_sharding(sa, NamedSharding(mesh, P(None, "d")))  # 32 elements each: ok
     with pytest.raises(ValueError, match="length 16"):
         scaled_sharding(sa, NamedSharding(mesh, P(None, "m")))
 
 
-def test_pytree_prefix_and_jit_shardings():
-    mesh = mesh_2x4()
+@pytest.mark.parametrize("axes", AXES)
+def test_pytree_prefix_and_jit_shardings(axes):
+    mesh = mesh_2x4(axes)
     tree = {
         "w": jsa.as_scaled_array(_x((64, 256)), fmt=qf.MXFP8),
         "b": _x((256,), 1),
@@ -119,7 +127,8 @@ def test_pytree_prefix_and_jit_shardings():
         _check_shards_consistent(out)
 
 
-def test_partition_specs_for_shard_map():
+@pytest.mark.parametrize("axes", ["explicit"])  # spec logic only: the axis type does not enter
+def test_partition_specs_for_shard_map(axes):
     sa = jsa.as_scaled_array(_x((64, 256)), fmt=qf.MXFP8)
-    specs = scaled_sharding({"w": sa, "p": _x((4,))}, P("d", "m"), mesh=mesh_2x4())
+    specs = scaled_sharding({"w": sa, "p": _x((4,))}, P("d", "m"), mesh=mesh_2x4(axes))
     assert specs["w"].data == P("d", "m") and specs["w"].scale == P("d", "m") and specs["p"] == P("d", "m")

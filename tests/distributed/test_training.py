@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _dist_common import (
+    AXES,
     BLOCK_FORMATS,
     BLOCK_SPECS,
     BLOCK_TP_PARAMS,
@@ -18,6 +19,7 @@ from _dist_common import (
     block_inputs,
     block_loss,
     block_train_step,
+    explicit,
     format_step,
     megatron_ops,
     mesh_2x4,
@@ -43,8 +45,10 @@ def _run(fmt, specs, mesh):
     params, x, y = mlp_data()
     sp = scaled_params(params, fmt)
     sx = jsa.as_scaled_array(jnp.asarray(x), scale=np.float32(2.0))
-    step = jsa.scalify(train_step)
-    ref = values(jax.jit(step)(sp, sx, jnp.asarray(y)))  # single device
+    ref = values(jax.jit(jsa.scalify(train_step))(sp, sx, jnp.asarray(y)))  # single device
+    # Explicit axes, row-split w2: the program says how the sum over "m" is laid out (by the batch).
+    out_sharding = named(mesh, specs["y"]) if explicit(mesh) and specs is TP_SPECS else None
+    step = jsa.scalify(functools.partial(train_step, out_sharding=out_sharding))
 
     pspec = specs["params"]
     in_sh = (
@@ -63,10 +67,11 @@ def in_sh_params_spec(mesh, pspec):
     return named(mesh, pspec) if isinstance(pspec, P) else jax.tree.map(lambda s: named(mesh, s), pspec)
 
 
+@pytest.mark.parametrize("axes", AXES)
 @pytest.mark.parametrize("fmt", [None, qf.MXFP8], ids=["carrier", "mxfp8"])
 @pytest.mark.parametrize("mode", ["data-parallel", "tensor-parallel"])
-def test_mlp_step_matches_single_device(fmt, mode):
-    mesh = mesh_2x4()
+def test_mlp_step_matches_single_device(fmt, mode, axes):
+    mesh = mesh_2x4(axes)
     specs = DP_SPECS if mode == "data-parallel" else TP_SPECS
     out, ref = _run(fmt, specs, mesh)
     got = values(out)
@@ -81,8 +86,9 @@ def test_mlp_step_matches_single_device(fmt, mode):
     assert np.max(np.abs(got[0]["w1"] - params["w1"])) > 1e-4
 
 
-def test_tensor_parallel_keeps_mx_scale_with_its_blocks():
-    mesh = mesh_2x4()
+@pytest.mark.parametrize("axes", AXES)
+def test_tensor_parallel_keeps_mx_scale_with_its_blocks(axes):
+    mesh = mesh_2x4(axes)
     params, _, _ = mlp_data()
     sp = scaled_params(params, qf.MXFP8)
     placed = device_put(sp, {"w1": named(mesh, P(None, "m")), "w2": named(mesh, P("m", None))})
@@ -139,14 +145,21 @@ def _assert_within_one_step(got, ref, got_value, ref_value, name):
     assert np.count_nonzero(diff) <= MAX_FLIP_FRACTION * diff.size, f"{name}: {np.count_nonzero(diff)} flips"
 
 
-@pytest.mark.parametrize("mode", ["data-parallel", "tensor-parallel"])
-def test_transformer_block_step_matches_single_device(mode):
+# Each compilation of the block step takes seconds: every mode on the explicit mesh (jax.make_mesh's
+# default), the tensor-parallel one (collectives inserted by GSPMD) on an auto mesh too.
+BLOCK_CASES = [("data-parallel", "explicit"), ("tensor-parallel", "explicit"), ("tensor-parallel", "auto")]
+
+
+@pytest.mark.parametrize("mode,axes", BLOCK_CASES, ids=[f"{m}-{a}" for m, a in BLOCK_CASES])
+def test_transformer_block_step_matches_single_device(mode, axes):
     """Forward, backward and SGD update of a GPT-style block (layer norm, causal attention, GELU MLP,
     residuals) with FP16, FP8_E4M3 and MXFP8 parameters under jit(scalify(...)) on the 2x4 mesh."""
-    mesh = mesh_2x4()
+    mesh = mesh_2x4(axes)
     specs = BLOCK_SPECS[mode]
     _, sp, sx, y = block_inputs()
-    step = jsa.scalify(block_train_step)
+    # Explicit axes, row-split weights: the program says how their sums over "m" are laid out.
+    out_sharding = named(mesh, P("d", None, None)) if explicit(mesh) and mode == "tensor-parallel" else None
+    step = jsa.scalify(functools.partial(block_train_step, out_sharding=out_sharding))
     p_sh = {k: named(mesh, s) for k, s in specs["params"].items()}
     x_sh = named(mesh, specs["x"])
     in_sh = (jsa.scaled_sharding(sp, p_sh), jsa.scaled_sharding(sx, x_sh), x_sh)
@@ -189,14 +202,18 @@ def _megatron_shard_map(mesh, check_vma):
 
     in_specs = (pspecs, xspec, P("d"))
     fn = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=(P(), BLOCK_TP_PARAMS), check_vma=check_vma)
-    return jax.jit(fn)(sp, sx, y)
+    # Under explicit axes shard_map's inputs must already be laid out as in_specs says.
+    args = jsa.device_put((sp, sx, y), (BLOCK_TP_PARAMS, P("d"), P("d")), mesh=mesh)
+    return jax.jit(fn)(*args)
 
 
-def test_transformer_block_megatron_in_shard_map():
-    loss, grads = _megatron_shard_map(mesh_2x4(), check_vma=False)
+@pytest.mark.parametrize("axes", ["explicit"])
+def test_transformer_block_megatron_in_shard_map(axes):
+    loss, grads = _megatron_shard_map(mesh_2x4(axes), check_vma=False)
     _assert_close_grads(np.asarray(loss), {k: np.asarray(v) for k, v in grads.items()})
 
 
-def test_transformer_block_megatron_in_shard_map_with_vma_checking():
-    loss, grads = _megatron_shard_map(mesh_2x4(), check_vma=True)
+@pytest.mark.parametrize("axes", AXES)
+def test_transformer_block_megatron_in_shard_map_with_vma_checking(axes):
+    loss, grads = _megatron_shard_map(mesh_2x4(axes), check_vma=True)
     _assert_close_grads(np.asarray(loss), {k: np.asarray(v) for k, v in grads.items()})
