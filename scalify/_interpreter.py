@@ -147,7 +147,7 @@ def _note_fill(eqn, invals, outs):
 
 def eval_jaxpr(jaxpr, consts, *args):
     """Evaluate an open ``jaxpr`` on ScaledArrays and plain values with the rule table."""
-    with fill_scope():
+    with fill_scope(args):
         return _eval_jaxpr(jaxpr, consts, *args)
 
 
@@ -223,9 +223,9 @@ def scalify(fun):
             # Plain inputs: behave like `fun`, unless it creates ScaledArrays (scalify.ops.quantize).
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*leaves)
             if not _contains_always(closed):
-                # As a traced program would: NumPy results come back as JAX arrays.
-                out = fun(*args, **kwargs)
-                return jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray | np.generic) else v, out)
+                # As the traced program would (and jax-scalify does): NumPy inputs are computed by JAX.
+                a, k = jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray) else v, (args, kwargs))
+                return fun(*a, **k)
         else:
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[_abstract(x) for x in leaves])
         out_tree = jax.tree.structure(out_shape)

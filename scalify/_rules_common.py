@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
-from scalify._jax_compat import bind_eqn, is_tracer
+from scalify._jax_compat import bind_eqn, explicit_sharding, is_tracer
 from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 F32 = jnp.float32
@@ -71,9 +71,11 @@ _FILLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("scalify_fi
 
 
 @contextlib.contextmanager
-def fill_scope():
-    """A fresh table of known fills for one jaxpr evaluation (see :func:`note_fill`)."""
-    token = _FILLS.set({})
+def fill_scope(args=()):
+    """A fresh table of known fills for one jaxpr evaluation (see :func:`note_fill`); the fills among
+    ``args`` (the evaluation's inputs, as the caller knew them) stay known inside."""
+    inherited = {id(a): (a, v) for a in args if (v := _fill_of(a)) is not None}
+    token = _FILLS.set(inherited)
     try:
         yield
     finally:
@@ -97,8 +99,8 @@ def static_scalar(x):
     """The Python float of a concrete size-1 array or scalar, or of a known fill; else None."""
     if is_scaled(x):
         return None
-    if is_tracer(x):
-        v = _fill_of(x)
+    v = _fill_of(x)
+    if v is not None or is_tracer(x):
         return v if isinstance(v, float) else None
     arr = np.asarray(x)
     if arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
@@ -110,8 +112,8 @@ def static_operand(x):
     """A static scalar operand as a 0-d NumPy value of its own dtype (ints too), or None."""
     if is_scaled(x):
         return None
-    if is_tracer(x):
-        v = _fill_of(x)
+    v = _fill_of(x)
+    if v is not None or is_tracer(x):
         return np.asarray(v, x.dtype) if isinstance(v, float) else None
     arr = np.asarray(x)
     return arr.reshape(()) if arr.size == 1 else None
@@ -162,13 +164,13 @@ def promote(x, *, zero_adopts=True):
         # A broadcast runtime scalar: its power of two goes to the scale, the mantissa to the data.
         e = safe_scale(pow2_round(lax.abs(cast(rv, F32)), Pow2RoundMode.DOWN))
         m = cast(lax.div(cast(rv, F32), e), arr.dtype)
-        return ScaledArray(lax.broadcast_in_dim(m, arr.shape, ()), e)
+        return ScaledArray(lax.broadcast_in_dim(m, arr.shape, (), out_sharding=explicit_sharding(arr)), e)
     if v is not None:
         if v == 0.0 and zero_adopts:
             return ScaledArray(arr, ZERO)
         if np.isfinite(v) and v != 0.0:
             m, e = split_static(v)
-            return ScaledArray(lax.full(arr.shape, m, arr.dtype), jnp.asarray(e, F32))
+            return ScaledArray(lax.full_like(arr, m, arr.dtype), jnp.asarray(e, F32))
     return ScaledArray(arr, jnp.ones((), F32))
 
 
@@ -371,11 +373,11 @@ class _Static:
 
 def _static_floor(v: float, dtype) -> float:
     """Smallest power-of-two scale ``s`` with ``|v| / s`` at most a quarter of ``dtype``'s max (0: any
-    scale will do). A quarter leaves room for the differences softmax takes of masked logits."""
+    normal scale will do). A quarter leaves room for the differences softmax takes of masked logits."""
     if not np.isfinite(v):
         return 0.0
     q = abs(v) / (float(jnp.finfo(dtype).max) / 4)
-    return pow2_ceil_np(q) if q > 1.0 else 0.0
+    return pow2_ceil_np(q) if q >= float(np.finfo(np.float32).tiny) else 0.0
 
 
 def _adopting(x, dtype):

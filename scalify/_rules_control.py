@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from scalify._jax_compat import (
     while_p,
 )
 from scalify._registry import register_rule
-from scalify._rules_common import F32, block_reduce, dequant, fold, settle_carried
+from scalify._rules_common import F32, block_reduce, dequant, fold, note_fill, settle_carried, static_scalar
 from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
 
 _JIT_CACHE: dict = {}
@@ -48,11 +49,41 @@ def _static_literal(x) -> bool:
     return not isinstance(x, (ScaledArray, jax.Array)) and np.ndim(x) == 0
 
 
+class _FillArg(NamedTuple):
+    """An operand known to hold one static value everywhere (``zeros_like``, a mask's fill)."""
+
+    value: float
+    shape: tuple
+    dtype: str
+
+    def build(self):
+        """The fill rebuilt inside the nested body, and recorded there as a fill."""
+        x = lax.full(self.shape, self.value, np.dtype(self.dtype))
+        note_fill(x, self.value)
+        return x
+
+
+def _static_arg(x):
+    """The baked form of a static operand of a nested jit: a literal scalar, or a known fill."""
+    if _static_literal(x):
+        return x
+    v = static_scalar(x)
+    if v is not None and not isinstance(x, ScaledArray):
+        return _FillArg(v, tuple(x.shape), np.dtype(x.dtype).str)
+    return None
+
+
+def _static_key(v):
+    if isinstance(v, _FillArg):
+        return v
+    # Literals may be unhashable ndarray subclasses: key on dtype and value.
+    return (np.asarray(v).dtype.str, np.asarray(v).item())
+
+
 def _cached_jit(closed, name, statics=()):
     """``jax.jit`` of the interpreted ``closed`` jaxpr; ``statics`` ((index, value) pairs) are baked
-    in, so a literal operand stays a static scalar inside the body (a zero fill adopts scales)."""
-    # Literals may be unhashable ndarray subclasses: key on dtype and value.
-    key = (id(closed), get_config(), tuple((i, np.asarray(v).dtype.str, np.asarray(v).item()) for i, v in statics))
+    in, so a literal operand or a fill stays static inside the body (a zero fill adopts scales)."""
+    key = (id(closed), get_config(), tuple((i, _static_key(v)) for i, v in statics))
     hit = _JIT_CACHE.get(key)
     if hit is not None and hit[0] is closed:
         return hit[1]
@@ -60,7 +91,7 @@ def _cached_jit(closed, name, statics=()):
 
     def body(*args):
         dynamic = iter(args)
-        fixed = dict(statics)
+        fixed = {i: v.build() if isinstance(v, _FillArg) else v for i, v in statics}
         return eval_closed(closed, *(fixed[i] if i in fixed else next(dynamic) for i in range(n)))
 
     body.__name__ = str(name)
@@ -73,8 +104,9 @@ def _cached_jit(closed, name, statics=()):
 
 @register_rule([jit_p], "control", "nested jit of the interpreted body (stays a jit in the output program).", raw=True)
 def _jit(eqn, *args):
-    statics = tuple((i, a) for i, a in enumerate(args) if _static_literal(a))
-    dynamic = [a for a in args if not _static_literal(a)]
+    baked = [_static_arg(a) for a in args]
+    statics = tuple((i, b) for i, b in enumerate(baked) if b is not None)
+    dynamic = [a for a, b in zip(args, baked, strict=True) if b is None]
     return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"), statics)(*dynamic)
 
 

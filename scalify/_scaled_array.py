@@ -220,8 +220,13 @@ def _numpy_value(data, scale, dtype):
     return (data.astype(wide) * scale.astype(wide)).astype(dtype)
 
 
+def _dtype_of(x):
+    """``x``'s dtype: its own for arrays, NumPy's promotion for Python scalars."""
+    return x.dtype if isinstance(x, np.ndarray | np.generic | jax.Array) else np.result_type(x)
+
+
 def _is_float(x) -> bool:
-    return jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.floating)
+    return jnp.issubdtype(_dtype_of(x), jnp.floating)
 
 
 def _split_scalar(x):
@@ -232,7 +237,7 @@ def _split_scalar(x):
     m, e = xp.frexp(xp.abs(xp.asarray(x, np.float32)))  # |x| = m * 2^e, m in [0.5, 1)
     zero = m == 0
     scale = xp.where(zero, np.float32(1), xp.ldexp(np.float32(1), e - 1)).astype(np.float32)
-    data = (xp.asarray(x, np.float32) / scale).astype(np.result_type(x))
+    data = (xp.asarray(x, np.float32) / scale).astype(_dtype_of(x))
     return ScaledArray(data, scale)
 
 
