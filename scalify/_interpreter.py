@@ -7,11 +7,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from scalify._config import get_config
 from scalify._jax_compat import DropVar, Literal, bind_eqn, is_tracer, logical_aval, p, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
-from scalify._rules_common import fill_scope, isolate_scale, note_fill, settle_carried, static_operand, static_scalar
+from scalify._rules_common import (
+    fill_scope,
+    isolate_scale,
+    note_fill,
+    runtime_fill,
+    settle_carried,
+    static_operand,
+    static_scalar,
+)
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
 
 # Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
@@ -130,12 +139,15 @@ def _note_fill(eqn, invals, outs):
         return
     dtype = eqn.outvars[0].aval.dtype
     if eqn.primitive in _FILL_PRESERVING and len(invals) == 1:
-        value = static_scalar(invals[0])
+        (x,) = invals
+        value = static_scalar(x)
         if value is not None:
             note_fill(outs[0], float(np.asarray(value, dtype)))
-        elif eqn.primitive is p.broadcast_in_dim_p and is_tracer(invals[0]) and jnp.ndim(invals[0]) == 0:
-            if jnp.issubdtype(invals[0].dtype, jnp.floating) and not eqn.params["shape"] == ():
-                note_fill(outs[0], invals[0])
+        elif (rv := runtime_fill(x)) is not None:
+            note_fill(outs[0], lax.convert_element_type(rv, dtype))
+        elif eqn.primitive is p.broadcast_in_dim_p and is_tracer(x) and jnp.ndim(x) == 0 and eqn.params["shape"]:
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                note_fill(outs[0], x)
         return
     if eqn.primitive in _ELEMENTWISE:
         values = [static_operand(x) for x in invals]

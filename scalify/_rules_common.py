@@ -225,11 +225,11 @@ def measured() -> bool:
 
 # Data amax window of the measured policy: inside it a rule's static choice of scale stands (the
 # jax-scalify scale, bit for bit); outside it the measured amax moves into the scale.
-WINDOW = 2.0**4
+WINDOW = 2.0**7
 
 
 def settle(v, scale, dtype) -> ScaledArray:
-    """Carrier of the float32 value ``v * expand(scale)`` whose data's amax lies in ``[2^-4, 2^4]``.
+    """Carrier of the float32 value ``v * expand(scale)`` whose data's amax lies in ``[2^-7, 2^7]``.
 
     One reduction: if the absolute max of ``v`` lies outside the window, it is rounded down to a
     power of two ``r`` that moves from the data into the scale (``data = v / r``, ``scale * r``:

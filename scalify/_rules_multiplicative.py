@@ -6,13 +6,11 @@ Contractions:
   the scales factor out of the sum, ``out = dot(dA, dB) / r`` with scale ``grid(sA) x grid(sB) * r``
   where ``r`` is a power of two near ``sqrt(K)`` (jax-scalify's growth allowance); the dot accumulates
   in float32 and is rounded to the carrier dtype once, after the division;
-* both operands blocked along one contracted axis with the same number of blocks of at least 16
-  elements (the MX and NVFP4 layouts: activations blocked on their last axis, weights blocked on their
-  first): per-block products ``sum_j sA_j * sB_j * dot(P_A_j, P_B_j)`` accumulated in float32, no
-  dequantization, output a per-tensor carrier (``ScalifyConfig.dot_output_format`` re-quantizes it);
-* any other layout (a scale varying along the contracted axis of only one operand, mismatched
-  blocks, blocks shorter than 16 such as two per-channel scales meeting on the contracted axis):
-  both operands are dequantized to float32, contracted, and re-quantized per-tensor.
+* a scale that varies along a contracted axis (MX and NVFP4 blocks, two per-channel scales meeting
+  on the contracted axis of a backward pass): both operands are dequantized to float32 (exact:
+  element times power-of-two or E4M3 scale), contracted by one float32 ``dot_general`` and
+  re-quantized per-tensor (``ScalifyConfig.dot_output_format`` re-quantizes into a format instead).
+  Nothing of size K/block times the output is materialised.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from scalify._rules_common import (
     static_scalar,
     times,
 )
-from scalify._scaled_array import ScaledArray, cast, expand_scale
+from scalify._scaled_array import ScaledArray, cast
 
 # Equation parameters hold NumPy dtypes (other interpreters, such as amp, read them as dtypes).
 _F32_DTYPE = np.dtype(np.float32)
@@ -192,22 +190,13 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
     return (acc if keep_f32 else cast(acc, dtype)), r
 
 
-# Per-block products materialise one partial result per block (g times the output); below this block
-# length (e.g. per-channel scales meeting on a contracted axis: blocks of 1) dequantizing is cheaper.
-_MIN_PRODUCT_BLOCK = 16
-
-
-def _split_axis(x, axis, g):
-    shape = list(x.shape)
-    return x.reshape((*shape[:axis], g, shape[axis] // g, *shape[axis + 1 :]))
-
-
 @register_rule(
     p.dot_general_p,
     "multiplicative",
     "unblocked contraction: dot(data) accumulated in float32, /2^k, rounded once; scales multiplied "
-    "(grid outer product) * 2^k; both blocked along the contracted axis (blocks >= 16): per-block "
-    "products in float32 -> per-tensor carrier; other layouts: dequantize, float32 dot, per-tensor carrier.",
+    "(grid outer product) * 2^k; settled on the measured amax outside [2^-7, 2^7]. A scale varying along "
+    "a contracted axis (MX, NVFP4, per-channel meeting per-channel): operands dequantized to float32 "
+    "(exact), one float32 dot, per-tensor carrier.",
 )
 def _dot_general(eqn, a, b):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -228,27 +217,14 @@ def _dot_general(eqn, a, b):
             return _dequant_dot(eqn, a, b)
         bshape_a[i] = bshape_b[j] = max(m, n)
     ga, gb = jnp.broadcast_to(ga, bshape_a), jnp.broadcast_to(gb, bshape_b)
-    blocked = [(i, j) for i, j in zip(lc, rc, strict=True) if ga.shape[i] != 1 or gb.shape[j] != 1]
-    grid_params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
-    if not blocked:
-        scale = lax.dot_general_p.bind(ga, gb, **grid_params)
-        return _output_format(_contracted(eqn, a.data, b.data, r, scale, _carrier(eqn, a, b)), out_dtype)
-    if len(blocked) > 1 or ga.shape[blocked[0][0]] != gb.shape[blocked[0][1]]:
+    if any(ga.shape[i] != 1 or gb.shape[j] != 1 for i, j in zip(lc, rc, strict=True)):
+        # Blocks along the contracted axis: element x block scale is exact in float32 for every
+        # built-in codec (power-of-two and E4M3 scales), so the float32 dot of the dequantized
+        # operands is the blocked sum up to accumulation order, in one GEMM and without the
+        # per-block partial outputs (K/32 copies of the output) that summing block by block needs.
         return _dequant_dot(eqn, a, b)
-    (i, j), g = blocked[0], ga.shape[blocked[0][0]]
-    if a.data.shape[i] // g < _MIN_PRODUCT_BLOCK:
-        return _dequant_dot(eqn, a, b)
-    da, db = _split_axis(a.data, i, g), _split_axis(b.data, j, g)
-    sa, sb = _split_axis(ga, i, g), _split_axis(gb, j, g)
-    # Contracting indices: original positions shifted past the new block-count axis.
-    dims = (
-        (tuple(c + 1 if c >= i else c for c in lc), tuple(c + 1 if c >= j else c for c in rc)),
-        ((i, *(d + 1 if d >= i else d for d in lb)), (j, *(d + 1 if d >= j else d for d in rb))),
-    )
-    partial = lax.dot_general(da, db, dims, preferred_element_type=_F32_DTYPE)  # (g, batch..., free...)
-    sgrid = lax.dot_general(sa, sb, dims, preferred_element_type=_F32_DTYPE)
-    value = jnp.sum(partial * expand_scale(sgrid, partial.shape), axis=0)
-    return _finish(value, out_dtype)
+    scale = lax.dot_general_p.bind(ga, gb, **dict(eqn.params, preferred_element_type=_F32_DTYPE))
+    return _output_format(_contracted(eqn, a.data, b.data, r, scale, _carrier(eqn, a, b)), out_dtype)
 
 
 @register_rule(

@@ -274,7 +274,7 @@ def test_cast_ml_dtype_and_grad():
     sx = jsa.as_scaled_array(jnp.asarray([17.0, 19.0, 1000.0]), scale=np.float32(1.0))
     out = jsa.scalify(lambda v: jsa.ops.cast_ml_dtype(v, ml_dtypes.float8_e4m3fn))(sx)
     # The data is cast to e4m3 (1000 saturates to 448); leaving the program, data outside
-    # [2^-4, 2^4] is settled (a power of two moves to the scale), which keeps the value.
+    # [2^-7, 2^7] (448) is settled (a power of two moves to the scale), which keeps the value.
     np.testing.assert_array_equal(np.asarray(out), [16.0, 20.0, 448.0])
     with jsa.ScalifyConfig(renormalize="static"):
         out = jsa.scalify(lambda v: jsa.ops.cast_ml_dtype(v, ml_dtypes.float8_e4m3fn))(sx)
