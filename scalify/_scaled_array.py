@@ -188,17 +188,35 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
     # into the scale so the carrier data is O(1) and products cannot overflow a float16 carrier.
     k = _pow2_floor(fmt.max_value)
     if k != 1.0:
-        inv = np.float32(1.0 / k)
-        if inv < np.finfo(np.float32).tiny:
-            # bf16's max is ~2^128, so 1/k = 2^-127 is a float32 subnormal, which XLA on CPU
-            # flushes to zero (every value would read as 0). Apply it as two normal factors; the
-            # barrier keeps XLA from folding them back into the subnormal constant.
-            half = np.float32(2.0**-64)
-            elems = lax.optimization_barrier(elems * half)
-            inv = np.float32(inv / half)
-        elems = elems * inv
-        grid = grid * np.float32(k)
+        if k > 2.0**64:
+            # bf16's max is ~2^128: 1/k = 2^-127 is a float32 subnormal that XLA on CPU flushes
+            # to zero, and XLA folds chains of constant factors (2^-64 * 2^-63, or k with a
+            # rule's next static factor: 2^128 = inf) back into one. Exponent arithmetic on the
+            # bits is exact and leaves no constant to fold.
+            e = int(np.log2(k))
+            elems, grid = _mul_pow2_bits(elems, -e), _mul_pow2_bits(grid, e)
+        else:
+            elems, grid = elems * np.float32(1.0 / k), grid * np.float32(k)
     return ScaledArray(elems.astype(x.dtype), normalize_scale(grid, shape))
+
+
+def _mul_pow2_bits(x, e: int):
+    """``x * 2^e`` for float32 ``x`` and a static integer ``e``, on the exponent field.
+
+    Normal results are exact; results below the normal range are signed zeros (as XLA's flush of
+    subnormals gives), above it signed infinities; zeros, subnormal inputs (read as zero on CPU),
+    infinities and NaN keep their class.
+    """
+    bits = lax.bitcast_convert_type(cast(x, jnp.float32), jnp.int32)
+    field = lax.bitwise_and(lax.shift_right_logical(bits, np.int32(23)), np.int32(0xFF))
+    sign = lax.bitwise_and(bits, np.int32(-(2**31)))
+    new = field + np.int32(e)
+    shifted = bits + np.int32(e * 2**23)
+    inf = lax.bitwise_or(sign, np.int32(0x7F800000))
+    out = lax.select(new >= 255, inf, shifted)
+    out = lax.select(new <= 0, sign, out)
+    out = lax.select((field == 0) | (field == 255), lax.select(field == 0, sign, bits), out)
+    return lax.bitcast_convert_type(out, jnp.float32)
 
 
 def _pow2_floor(v: float) -> float:

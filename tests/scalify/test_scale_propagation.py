@@ -146,3 +146,45 @@ def test_loop_carry_is_settled():
 def test_invalid_policy_is_rejected():
     with pytest.raises(ValueError, match="renormalize"):
         jsa.ScalifyConfig(renormalize="sometimes")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    x=st.floats(width=32, allow_nan=False) | st.sampled_from([0.0, -0.0, np.inf, -np.inf]),
+    e=st.integers(-130, 130),
+)
+def test_exponent_field_power_of_two_matches_ldexp(x, e):
+    """The bf16 carrier's 2^-127 is applied on the exponent bits: exact where the result is a
+    normal float32, a signed zero below (XLA's flush), a signed inf above; inputs that read as zero
+    (zeros, subnormals) stay zero."""
+    from scalify._scaled_array import _mul_pow2_bits
+
+    got = np.float32(jax.jit(_mul_pow2_bits, static_argnums=1)(jnp.float32(x), e))
+    x32 = np.float32(x)
+    tiny = np.finfo(np.float32).tiny
+    if abs(x32) < tiny:
+        want = np.copysign(np.float32(0), x32)
+    else:
+        want = np.float32(np.ldexp(np.float64(x32), e))
+        if abs(want) < tiny:
+            want = np.copysign(np.float32(0), x32)
+    assert (got == want and np.signbit(got) == np.signbit(want)) or (np.isnan(got) and np.isnan(want)), (got, want)
+
+
+@pytest.mark.parametrize("op", ["mul2", "sum", "matmul", "scale_chain"])
+def test_bf16_format_under_jit(op):
+    """qf.BF16 data sit near 2^127 (rceil maps the amax to bf16's max), the carrier shift is 2^127:
+    under jit its constants must not be folded with a rule's (2^-127 flushed: zeros; 2^128: inf)."""
+    import qformats as qf
+
+    x = jnp.asarray(RNG.standard_normal((4, 32)), jnp.float32)
+    s = jsa.as_scaled_array(x, fmt=qf.BF16)
+    f = {
+        "mul2": lambda a: a * 2.0,
+        "sum": lambda a: jnp.sum(a, axis=-1),
+        "matmul": lambda a: a @ a.T,
+        "scale_chain": lambda a: a * 2.0**60 * 2.0**60 * 2.0**-126,
+    }[op]
+    ref = np.asarray(f(s.to_array(jnp.float32)))
+    got = np.asarray(jax.jit(jsa.scalify(f))(s).to_array(jnp.float32))
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
