@@ -13,8 +13,11 @@ from scalify._config import get_config
 from scalify._jax_compat import DropVar, Literal, bind_eqn, is_tracer, logical_aval, p, sub_jaxprs
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import (
+    bound_of,
     fill_scope,
+    is_float,
     isolate_scale,
+    note_bound,
     note_fill,
     runtime_fill,
     settle_carried,
@@ -100,6 +103,27 @@ def _maybe_keep_format(rule, invals, outs):
         else:
             res.append(o)
     return res
+
+
+def _carrier(x: ScaledArray) -> ScaledArray:
+    """``to_carrier(x)``; decoded format elements are below 2 (the element max over its power of
+    two moved into the scale), a bound the rules use to skip renormalising passes."""
+    c = to_carrier(x)
+    return c if x.fmt is None else note_bound(c, 2.0)
+
+
+def _carry_bound(args, outs):
+    """A commuting rule with one scaled operand (and no other float operand) moves, negates or
+    takes the absolute value of its data, or shifts it right: the data bound carries over."""
+    scaled = [a for a in args if isinstance(a, ScaledArray)]
+    if len(scaled) != 1 or any(not isinstance(a, ScaledArray) and is_float(a) for a in args):
+        return
+    hi = bound_of(scaled[0])
+    if hi is None:
+        return
+    for o in outs:
+        if isinstance(o, ScaledArray) and bound_of(o) is None:
+            note_bound(o, hi)
 
 
 def _seal(x, sealed: dict):
@@ -188,10 +212,12 @@ def _eval_jaxpr(jaxpr, consts, *args):
             rule = RULES.get(eqn.primitive)
             if rule is None:
                 raise unsupported(eqn, invals)
-            args_ = invals if rule.raw else [to_carrier(x) if isinstance(x, ScaledArray) else x for x in invals]
+            args_ = invals if rule.raw else [_carrier(x) if isinstance(x, ScaledArray) else x for x in invals]
             outs = rule.fn(eqn, *args_)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
+            if rule.group == "commuting":
+                _carry_bound(args_, outs)
             if rule.group != "control":
                 # A control-flow rule's outputs come from an interpreted body that sealed them.
                 outs = [_seal(o, sealed) for o in outs]

@@ -21,27 +21,31 @@ from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
     align,
+    bound_of,
     combine_l2,
     dequant,
     fold,
     is_runtime_plain,
     is_scaled,
     measured,
+    note_bound,
     per_tensor,
     promote,
     requant_blocks,
     settle,
     sqrt_rescale,
     times,
+    wide,
 )
 from scalify._scaled_array import ScaledArray, block_of, cast
 
 
 def _add(eqn, *xs):
-    if any(is_runtime_plain(x) for x in xs):
-        # A plain runtime operand would get scale 1 (its magnitude is unknown at trace time), which
-        # swamps small-scale operands (a float16 carrier flushes them to zero) or lets a large
-        # plain value overflow. Add the values in float32 and re-quantize per block instead.
+    if any(is_runtime_plain(x) for x in xs) and not wide(_carrier_dtype(xs, eqn.outvars[0].aval.dtype)):
+        # A plain runtime operand gets scale 1 (its magnitude is unknown at trace time), which in
+        # a narrow carrier (float16) swamps small-scale operands (flushed to zero) or lets a large
+        # plain value overflow: add the values in float32 and re-quantize per block instead. A
+        # float32 or bfloat16 carrier holds both at scale 1 as the plain program does.
         _, s = align([x for x in xs if is_scaled(x)], combine_l2)
         (value,) = bind_eqn(eqn, [dequant(x) for x in xs])
         grid = () if jnp.ndim(s) == 0 or jnp.ndim(value) == 0 else tuple(jnp.shape(s))
@@ -54,7 +58,12 @@ def _add(eqn, *xs):
     # in float32, so this is the carrier-dtype sum of the rescaled values without the two extra
     # roundings (and without their underflow) of rescaling in the carrier dtype first.
     datas, s = align(list(xs), combine_l2, dtype=F32)
-    return ScaledArray(cast(bind_eqn(eqn, datas)[0], _carrier_dtype(xs, out_dtype)), s)
+    out = ScaledArray(cast(bind_eqn(eqn, datas)[0], _carrier_dtype(xs, out_dtype)), s)
+    bounds = [bound_of(x) for x in xs]
+    if all(b is not None for b in bounds):
+        # Each operand is shifted by s_i / s <= 1 (<= 2 with unrounded scales): |a + b| <= 2 (ha + hb).
+        note_bound(out, 2.0 * sum(bounds))
+    return out
 
 
 def _carrier_dtype(xs, out_dtype):

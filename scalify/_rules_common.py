@@ -70,16 +70,49 @@ def out_aval(eqn, i=0):
 _FILLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("scalify_fills", default=None)
 
 
+# Static upper bounds of carriers' data amax (``|data| <= hi``), keyed by the data array's id: known
+# where a rule measured or constructed the data (settled, renormalised, decoded from a format,
+# a bounded function), carried through data-moving rules, static multipliers and products. A
+# product of two carriers is formed directly when the bound of the result stays small, and only
+# operands of unknown magnitude are renormalised first (a reduction over the operand each).
+_BOUNDS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("scalify_bounds", default=None)
+
+
+def product_bound(dtype) -> float:
+    """Largest data bound a product in carrier ``dtype`` may have without renormalising its
+    operands: a quarter of the dtype's range above 1, in powers of two (float16: 2^4 of headroom
+    below its max 2^16 for the adds and static multipliers that follow; float32, bfloat16: 2^32)."""
+    maxexp = jnp.finfo(dtype).maxexp
+    return 2.0 ** (maxexp - 3 if maxexp <= 16 else maxexp // 4)
+
+
 @contextlib.contextmanager
 def fill_scope(args=()):
-    """A fresh table of known fills for one jaxpr evaluation (see :func:`note_fill`); the fills among
-    ``args`` (the evaluation's inputs, as the caller knew them) stay known inside."""
+    """Fresh tables of known fills (see :func:`note_fill`) and data bounds for one jaxpr evaluation;
+    the fills and bounds of ``args`` (the evaluation's inputs, as the caller knew them) stay known."""
     inherited = {id(a): (a, v) for a in args if (v := _fill_of(a)) is not None}
-    token = _FILLS.set(inherited)
+    bounds = {id(a.data): (a.data, b) for a in args if is_scaled(a) and (b := bound_of(a)) is not None}
+    token, btoken = _FILLS.set(inherited), _BOUNDS.set(bounds)
     try:
         yield
     finally:
         _FILLS.reset(token)
+        _BOUNDS.reset(btoken)
+
+
+def note_bound(x, hi: float):
+    """Record ``max|x.data| <= hi`` for the carrier ``x``; returns ``x``."""
+    bounds = _BOUNDS.get()
+    if bounds is not None and is_scaled(x):
+        bounds[id(x.data)] = (x.data, float(hi))
+    return x
+
+
+def bound_of(x):
+    """The recorded bound of ``max|x.data|`` of a carrier, or None."""
+    bounds = _BOUNDS.get()
+    hit = bounds.get(id(x.data)) if bounds is not None and is_scaled(x) else None
+    return hit[1] if hit is not None and hit[0] is x.data else None
 
 
 def note_fill(x, value: float):
@@ -201,7 +234,7 @@ def safe_scale(s):
 
 
 def renormalize(v, scale, dtype) -> ScaledArray:
-    return ScaledArray(*_renormalize(v, scale, dtype=np.dtype(dtype)))
+    return note_bound(ScaledArray(*_renormalize(v, scale, dtype=np.dtype(dtype))), 2.0)
 
 
 @staged("dtype")
@@ -237,17 +270,31 @@ def settle(v, scale, dtype) -> ScaledArray:
     non-finite ``v``) nothing changes. A block grid keeps its shape (the factor is common to all
     blocks), so per-channel and outer-product grids stay as the rule built them.
     """
-    return ScaledArray(*_settle(v, scale, dtype=np.dtype(dtype)))
+    return note_bound(ScaledArray(*_settle(v, scale, dtype=np.dtype(dtype))), WINDOW)
 
 
 @staged("dtype")
 def _settle(v, scale, *, dtype, mode):
     del mode
-    v = jnp.asarray(v, F32)
+    v, scale = jnp.asarray(v, F32), jnp.asarray(scale, F32)
     amax = block_amax(v, ())
     inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
-    r = lax.select(inside, np.float32(1.0), safe_scale(pow2_round(safe_scale(amax), Pow2RoundMode.DOWN)))
-    return (v * (1.0 / r)).astype(dtype), jnp.asarray(scale, F32) * r
+    # Zero, NaN and Inf have no power of two to move: they stay as they are too.
+    keep = inside | ~(lax.is_finite(amax) & (amax > 0))
+
+    def move(v, scale):
+        r = pow2_round(amax, Pow2RoundMode.DOWN)
+        return (v * (1.0 / r)).astype(dtype), scale * r
+
+    # A conditional, not a select: inside the window (the usual case) the data is not rewritten,
+    # so settling costs the one reduction.
+    return lax.cond(keep, lambda v, scale: (v.astype(dtype), scale), move, v, scale)
+
+
+def wide(dtype) -> bool:
+    """Whether a carrier dtype has float32's exponent range (float32, bfloat16): its data cannot
+    overflow or flush where the float32 program's values do not."""
+    return jnp.finfo(dtype).maxexp >= 128
 
 
 def settle_carried(x):
@@ -299,9 +346,10 @@ def requant(v, dtype) -> ScaledArray:
     return requant_blocks(v, (), dtype)
 
 
-def unit(v, dtype) -> ScaledArray:
-    """Carrier with scale 1 (for bounded outputs such as tanh or logistic)."""
-    return ScaledArray(cast(v, dtype), jnp.ones((), F32))
+def unit(v, dtype, bound=None) -> ScaledArray:
+    """Carrier with scale 1 (for bounded outputs such as tanh or logistic: ``|v| <= bound``)."""
+    out = ScaledArray(cast(v, dtype), jnp.ones((), F32))
+    return out if bound is None else note_bound(out, bound)
 
 
 def rescale(data, ratio, dtype=None):

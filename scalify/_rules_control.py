@@ -38,7 +38,17 @@ from scalify._jax_compat import (
     while_p,
 )
 from scalify._registry import register_rule
-from scalify._rules_common import F32, block_reduce, dequant, fold, note_fill, settle_carried, static_scalar
+from scalify._rules_common import (
+    F32,
+    block_reduce,
+    bound_of,
+    dequant,
+    fold,
+    note_bound,
+    note_fill,
+    settle_carried,
+    static_scalar,
+)
 from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
 
 _JIT_CACHE: dict = {}
@@ -80,16 +90,20 @@ def _static_key(v):
     return (np.asarray(v).dtype.str, np.asarray(v).item())
 
 
-def _cached_jit(closed, name, statics=()):
+def _cached_jit(closed, name, statics=(), bounds=()):
     """``jax.jit`` of the interpreted ``closed`` jaxpr; ``statics`` ((index, value) pairs) are baked
-    in, so a literal operand or a fill stays static inside the body (a zero fill adopts scales)."""
-    key = (id(closed), get_config(), tuple((i, _static_key(v)) for i, v in statics))
+    in, so a literal operand or a fill stays static inside the body (a zero fill adopts scales);
+    ``bounds`` (one per dynamic operand: its data bound or None) stay known inside too."""
+    key = (id(closed), get_config(), tuple((i, _static_key(v)) for i, v in statics), bounds)
     hit = _JIT_CACHE.get(key)
     if hit is not None and hit[0] is closed:
         return hit[1]
     n = len(closed.jaxpr.invars)
 
     def body(*args):
+        for a, hi in zip(args, bounds, strict=False):
+            if hi is not None:
+                note_bound(a, hi)
         dynamic = iter(args)
         fixed = {i: v.build() if isinstance(v, _FillArg) else v for i, v in statics}
         return eval_closed(closed, *(fixed[i] if i in fixed else next(dynamic) for i in range(n)))
@@ -107,7 +121,8 @@ def _jit(eqn, *args):
     baked = [_static_arg(a) for a in args]
     statics = tuple((i, b) for i, b in enumerate(baked) if b is not None)
     dynamic = [a for a, b in zip(args, baked, strict=True) if b is None]
-    return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"), statics)(*dynamic)
+    bounds = tuple(bound_of(a) if isinstance(a, ScaledArray) and a.fmt is None else None for a in dynamic)
+    return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"), statics, bounds)(*dynamic)
 
 
 @register_rule([closed_call_p], "control", "interpreted body inlined.", raw=True)

@@ -27,19 +27,22 @@ from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
     _grid_shapes_compatible,
+    bound_of,
     dequant,
     fold,
     is_scaled,
     measured,
+    note_bound,
     per_tensor,
+    product_bound,
     promote,
     renormalize,
-    requant,
     settle,
     split_static,
     sqrt_rescale,
     static_scalar,
     times,
+    wide,
 )
 from scalify._scaled_array import ScaledArray, cast
 
@@ -67,11 +70,18 @@ def _mul(eqn, a, b):
         if is_scaled(x) and v is not None and v != 0.0 and np.isfinite(v) and _same_shape(eqn, x):
             return _times_static(x, v)
     if is_scaled(a) and is_scaled(b) and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
-        # Data that drifted far from 1 (a per-tensor dot passes scales on without renormalising)
-        # would underflow or overflow when squared (g * g in Adam): data 1e-25 with scale 1e20 gives
-        # data 0 and scale inf. Moving each block's amax (a power of two) into the scale is exact.
-        a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
-        b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+        # Data of unknown magnitude (an input, or drifted) would underflow or overflow when
+        # multiplied (g * g in Adam): data 1e-25 with scale 1e20 gives data 0 and scale inf. Moving
+        # each block's amax (a power of two) into the scale is exact; operands whose data bound is
+        # known (settled, decoded, bounded functions) need no pass over the data when the product's
+        # bound stays small.
+        ha, hb = bound_of(a), bound_of(b)
+        if ha is None or hb is None or ha * hb > product_bound(jnp.result_type(a.data.dtype, b.data.dtype)):
+            if ha is None or ha > 2.0:
+                a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
+            if hb is None or hb > 2.0:
+                b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+        return note_bound(_binary(eqn, a, b, lax.mul), bound_of(a) * bound_of(b))
     return _binary(eqn, a, b, lax.mul)
 
 
@@ -95,6 +105,10 @@ def _div(eqn, a, b):
         return ScaledArray(data, lax.div(pa.scale, pb.scale))
     q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
     scale = _grid_of(lax.div(pa.scale, pb.scale), q.ndim)
+    if wide(out_dtype):
+        # The float32 quotient is the carrier's data as it is (a pass to renormalise it would only
+        # protect a narrow carrier's range).
+        return ScaledArray(cast(q, out_dtype), scale)
     return renormalize(q, scale, out_dtype)
 
 
@@ -116,7 +130,9 @@ def _times_static(x: ScaledArray, v: float) -> ScaledArray:
     """
     m, e = split_static(v)
     data = x.data if m == 1.0 else lax.mul(x.data, np.asarray(m, x.data.dtype))
-    return ScaledArray(data, times(x.scale, e))
+    out = ScaledArray(data, times(x.scale, e))
+    hi = bound_of(x)
+    return out if hi is None else note_bound(out, hi * abs(m))
 
 
 def _over_static(x: ScaledArray, v: float) -> ScaledArray:
@@ -140,7 +156,9 @@ def _grid(x: ScaledArray):
 
 
 def _finish(value_f32, dtype):
-    return _output_format(requant(value_f32, dtype), dtype)
+    """Per-tensor carrier of a float32 contraction result: scale 1, settled (the data is rewritten
+    only when its amax leaves the window), or re-quantized into ``dot_output_format``."""
+    return _output_format(settle(value_f32, jnp.ones((), F32), dtype), dtype)
 
 
 def _output_format(out, dtype):

@@ -16,7 +16,7 @@ from jax import lax
 from scalify._config import pow2_round
 from scalify._jax_compat import bind_eqn, p
 from scalify._registry import register_rule
-from scalify._rules_common import F32, dequant, requant, rescale, safe_scale, unit
+from scalify._rules_common import F32, bound_of, dequant, note_bound, renormalize, requant, rescale, safe_scale, unit
 from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 
@@ -51,7 +51,8 @@ def _f32_eval(eqn, *xs):
     "bounded output: f(value) in float32, output carrier with scale 1.",
 )
 def _bounded(eqn, *xs):
-    return unit(_f32_eval(eqn, *xs), _out_dtype(eqn))
+    # |f| <= 1 for tanh, logistic, erf, sin, cos, bessel_i*e; <= 2 for erfc; <= pi for atan/asin/acos.
+    return unit(_f32_eval(eqn, *xs), _out_dtype(eqn), bound=4.0)
 
 
 @register_rule(p.log_p, "nonlinear", "log(data) + log(scale) in float32; output carrier with scale 1.")
@@ -65,35 +66,51 @@ def _log1p(eqn, x):
     return unit(_f32_eval(eqn, x), _out_dtype(eqn))
 
 
-def _root(eqn, x, fn):
+def _root(eqn, x, fn, power):
+    """``f(data)`` with scale ``f(scale)`` rounded to a power of two, the remainder (in ``[1, 2)``)
+    folded into the data. ``|data|^power`` bounds the result's data (``power`` >= 0); a negative
+    power (rsqrt) has no bound, so its output, typically small (one value per row of a norm), is
+    renormalised: the products it feeds then need no pass over their larger operand."""
     s_exact = fn(x.scale)
     s_new = safe_scale(pow2_round(s_exact))
     (data,) = bind_eqn(eqn, [x.data])
-    return ScaledArray(rescale(data, lax.div(s_exact, s_new)), s_new)
+    out = ScaledArray(rescale(data, lax.div(s_exact, s_new)), s_new)
+    if power < 0:
+        return renormalize(cast(out.data, F32), out.scale, out.data.dtype)
+    hi = bound_of(x)
+    return out if hi is None else note_bound(out, 2.0 * max(hi, 1.0) ** power)
 
 
 register_rule(p.sqrt_p, "nonlinear", "sqrt(data), scale sqrt(scale) rounded to 2^k (remainder folded into data).")(
-    lambda eqn, x: _root(eqn, x, lax.sqrt)
+    lambda eqn, x: _root(eqn, x, lax.sqrt, 0.5)
 )
-register_rule(p.rsqrt_p, "nonlinear", "rsqrt(data), scale rsqrt(scale) rounded to 2^k (remainder folded into data).")(
-    lambda eqn, x: _root(eqn, x, lambda s: lax.div(np.float32(1.0), lax.sqrt(s)))
-)
+register_rule(
+    p.rsqrt_p,
+    "nonlinear",
+    "rsqrt(data), scale rsqrt(scale) rounded to 2^k (remainder folded into data), renormalised (amax to 2^k).",
+)(lambda eqn, x: _root(eqn, x, lambda s: lax.div(np.float32(1.0), lax.sqrt(s)), -0.5))
 register_rule(p.cbrt_p, "nonlinear", "cbrt(data), scale cbrt(scale) rounded to 2^k (remainder folded into data).")(
-    lambda eqn, x: _root(eqn, x, lax.cbrt)
+    lambda eqn, x: _root(eqn, x, lax.cbrt, 1.0 / 3.0)
 )
+
+
+def _power(eqn, x, n: int, scale):
+    """``data**n`` with scale ``scale**n``; the data bound goes to the n-th power."""
+    (data,) = bind_eqn(eqn, [x.data])
+    out = ScaledArray(data, scale)
+    hi = bound_of(x)
+    return out if hi is None or n < 0 else note_bound(out, max(hi, 1.0) ** n)
 
 
 @register_rule(p.integer_pow_p, "nonlinear", "data**n, scale**n (exact for power-of-two scales).")
 def _integer_pow(eqn, x):
     y = eqn.params["y"]
-    (data,) = bind_eqn(eqn, [x.data])
-    return ScaledArray(data, lax.integer_pow(x.scale, y))
+    return _power(eqn, x, y, lax.integer_pow(x.scale, y))
 
 
 @register_rule(p.square_p, "nonlinear", "data**2, scale**2.")
 def _square(eqn, x):
-    (data,) = bind_eqn(eqn, [x.data])
-    return ScaledArray(data, lax.mul(x.scale, x.scale))
+    return _power(eqn, x, 2, lax.mul(x.scale, x.scale))
 
 
 _GENERIC = _prims(

@@ -149,15 +149,15 @@ def test_matmul(fmt, layout):
     check_against_dequantized(lambda a, b: a @ b, make_scaled(X, fmt), sw, rtol=1e-4)
 
 
-def test_blocked_dot_uses_block_products():
-    """MX layout on both operands: the rule contracts per block (no dequantized f32 operands)."""
-    a = jsa.as_scaled_array(jnp.asarray(X), fmt=qf.MXFP8)
+def test_blocked_dot_is_one_float32_dot():
+    """MX layout on both operands, blocked along K: one float32 dot of the dequantized operands
+    (exact per element), no per-block partial outputs; equal to the float32 product."""
     a = jsa.as_scaled_array(jnp.asarray(RNG.standard_normal((4, 96)), jnp.float32), fmt=qf.MXFP8)
     b = jsa.as_scaled_array(jnp.asarray(RNG.standard_normal((96, 16)), jnp.float32), fmt=qf.MXFP8.replace(axis=0))
     jaxpr = jax.make_jaxpr(jsa.scalify(lambda u, v: u @ v))(a, b)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-    # The data dot has the block index as a batch dimension.
-    assert any(e.params["dimension_numbers"][1][0] for e in dots)
+    assert len(dots) == 1 and not dots[0].params["dimension_numbers"][1][0]
+    assert dots[0].params["preferred_element_type"] == np.float32
     np.testing.assert_allclose(
         np.asarray(jsa.scalify(lambda u, v: u @ v)(a, b)), np.asarray(a) @ np.asarray(b), rtol=1e-5, atol=1e-4
     )
