@@ -197,6 +197,11 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
             elems, grid = _mul_pow2_bits(elems, -e), _mul_pow2_bits(grid, e)
         else:
             elems, grid = elems * np.float32(1.0 / k), grid * np.float32(k)
+        if grid.ndim == 0:
+            # A per-tensor format stores scale 1 for an all-zero tensor: shifted, that zero would
+            # carry scale k (2^127 for bf16) and set the common scale of every sum it joins,
+            # flushing the other operands. Zero data can take any scale: keep 1.
+            grid = lax.select(jnp.any(elems != 0), grid, np.float32(1.0))
     return ScaledArray(elems.astype(x.dtype), normalize_scale(grid, shape))
 
 

@@ -188,3 +188,24 @@ def test_bf16_format_under_jit(op):
     ref = np.asarray(f(s.to_array(jnp.float32)))
     got = np.asarray(jax.jit(jsa.scalify(f))(s).to_array(jnp.float32))
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp16", "fp8_e4m3"])
+def test_zero_per_tensor_operand_does_not_set_the_common_scale(fmt_name):
+    """A zero bias in a per-tensor format (stored scale 1) used to carry scale k = 2^(element emax)
+    (2^127 for bf16): the sum's common scale then shifted the other operand's data to ~2^-125 and
+    the next product was NaN (flax NNX attention in bf16)."""
+    import qformats as qf
+
+    fmt = qf.get_format(fmt_name)
+    x = jnp.asarray(RNG.standard_normal((4, 32)), jnp.float32)
+    zero = jsa.as_scaled_array(jnp.zeros((1, 32), jnp.float32), fmt=fmt)
+
+    def f(a, b):
+        h = a * 0.125 + b
+        return jnp.sum(h * h)
+
+    ref = float(f(x, 0.0))
+    for wrap in MODES.values():
+        got = float(jsa.asarray(wrap(jsa.scalify(f))(jsa.as_scaled_array(x, scale=np.float32(4.0)), zero)))
+        np.testing.assert_allclose(got, ref, rtol=1e-6)
