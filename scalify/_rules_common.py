@@ -281,14 +281,10 @@ def _settle(v, scale, *, dtype, mode):
     inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
     # Zero, NaN and Inf have no power of two to move: they stay as they are too.
     keep = inside | ~(lax.is_finite(amax) & (amax > 0))
-
-    def move(v, scale):
-        r = pow2_round(amax, Pow2RoundMode.DOWN)
-        return (v * (1.0 / r)).astype(dtype), scale * r
-
-    # A conditional, not a select: inside the window (the usual case) the data is not rewritten,
-    # so settling costs the one reduction.
-    return lax.cond(keep, lambda v, scale: (v.astype(dtype), scale), move, v, scale)
+    # A select, not a conditional: under shard_map's varying-axis checking the two branches of a
+    # cond would have different types (the measured factor varies, the kept scale may not).
+    r = lax.select(keep, np.float32(1.0), pow2_round(amax, Pow2RoundMode.DOWN))
+    return (v * (1.0 / r)).astype(dtype), scale * r
 
 
 def wide(dtype) -> bool:
