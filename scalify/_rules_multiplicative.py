@@ -156,8 +156,8 @@ def _grid(x: ScaledArray):
 
 
 def _finish(value_f32, dtype):
-    """Per-tensor carrier of a float32 contraction result: scale 1, settled (the data is rewritten
-    only when its amax leaves the window), or re-quantized into ``dot_output_format``."""
+    """Per-tensor carrier of a float32 contraction result: scale 1, settled (a power of two moves
+    into the scale only when the amax leaves the window), or re-quantized into ``dot_output_format``."""
     return _output_format(settle(value_f32, jnp.ones((), F32), dtype), dtype)
 
 
