@@ -25,7 +25,6 @@ the tensor's axis) yields a record with ``applicable: False`` and the reason.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import statistics
 import time
@@ -35,9 +34,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
+from qformats import _safetensors
 from qformats._format import ScaledFormat
 from qformats._registry import get_format, list_formats
 
@@ -104,69 +103,17 @@ def default_tensors(seed: int = 0) -> list[Tensor]:
 
 # -- reading files ------------------------------------------------------------------------------
 
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U64": np.uint64,
-    "U32": np.uint32,
-    "U16": np.uint16,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
 
 def _read_safetensors(path: Path):
-    """Yield ``(key, thunk)`` for each tensor of a ``.safetensors`` file.
+    """Yield ``(key, thunk)`` for each tensor of a ``.safetensors`` file (header validated first).
 
-    A small reader of the (simple, documented) safetensors layout: an 8-byte little-endian header
-    length, a JSON header, then raw little-endian bytes. It needs no extra package and reads
-    bfloat16 and fp8 tensors (through ml_dtypes), which ``safetensors.numpy`` cannot.
+    Reading goes through :mod:`qformats._safetensors`, the project's one reader (bfloat16 and fp8
+    through ml_dtypes, one tensor at a time).
     """
-    raw = path.read_bytes()
-    if len(raw) < 8:
-        raise ValueError("the file is shorter than the 8-byte safetensors header length")
-    n = int.from_bytes(raw[:8], "little")
-    if n <= 0 or 8 + n > len(raw):
-        raise ValueError(f"the header length field says {n} bytes but the file holds {len(raw) - 8}")
-    try:
-        header = json.loads(raw[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"the safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError("the safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    base = 8 + n
-
-    def thunk(key, info):
-        def load():
-            try:
-                dt, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"malformed header entry {info!r}") from None
-            if dt not in _ST_DTYPES:
-                raise TypeError(f"dtype {dt} is not supported (supported: {', '.join(_ST_DTYPES)})")
-            dtype = np.dtype(_ST_DTYPES[dt]).newbyteorder("<")
-            count = math.prod(shape)
-            if end - start != count * dtype.itemsize or base + end > len(raw):
-                raise ValueError(f"its data offsets {start}..{end} do not match shape {shape} and dtype {dt}")
-            return (
-                np.frombuffer(raw, dtype, count=count, offset=base + start)
-                .reshape(shape)
-                .astype(dtype.newbyteorder("="))
-            )
-
-        return load
-
-    for key, info in header.items():
-        yield key, thunk(key, info)
+    header, _ = _safetensors.read_header(path)
+    for key in header:
+        if key != _safetensors.METADATA_KEY:
+            yield key, (lambda key=key: _safetensors.read_tensor(path, key))
 
 
 def _is_float(dtype) -> bool:

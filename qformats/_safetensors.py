@@ -1,0 +1,251 @@
+"""The project's one reader and writer of ``.safetensors`` files (no extra package needed).
+
+The layout (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian unsigned
+header length ``N``, ``N`` bytes of JSON, then one byte buffer. The JSON object maps each tensor
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the buffer) and
+may hold ``"__metadata__"``, a string-to-string map. The buffer is fully indexed: tensors are
+contiguous, without holes or overlaps.
+
+Why our own: ``safetensors.numpy`` cannot produce bfloat16 or float8 arrays, and the package is an
+optional dependency. Dtypes map to NumPy through ml_dtypes (``BF16``, ``F8_E4M3``, ``F8_E5M2``,
+``F8_E8M0``). Tensors are read one at a time (seek and read, or ``np.memmap``), never the whole file.
+
+Public (within the project): :func:`read_header`, :func:`read_metadata`, :func:`iter_tensors`,
+:func:`read_tensor`, :func:`write`, :data:`DTYPES`, :class:`SafetensorsError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+#: safetensors dtype names and their NumPy (ml_dtypes) types.
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+# The safetensors package refuses headers above 100 MB; so do we (a corrupted length field would
+# otherwise make us allocate gigabytes).
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = "__metadata__"
+
+
+class SafetensorsError(ValueError):
+    """A file is not a valid ``.safetensors`` file (the message names the file and the problem)."""
+
+
+def dtype_name(dtype) -> str:
+    """The safetensors name of a NumPy dtype (``TypeError`` naming the supported ones otherwise)."""
+    dt = np.dtype(dtype).newbyteorder("=")
+    if dt not in _NAMES:
+        raise TypeError(
+            f"dtype {dt} has no safetensors name; supported: "
+            f"{', '.join(f'{n} ({d})' for n, d in DTYPES.items())}. "
+            "Store sub-byte or fp6 codes as uint8 (packed, as qformats does)."
+        )
+    return _NAMES[dt]
+
+
+def _fail(path, msg) -> SafetensorsError:
+    return SafetensorsError(f"{path}: not a valid .safetensors file: {msg}")
+
+
+def read_header(path) -> tuple[dict, int]:
+    """Parse and validate the header of ``path``.
+
+    Returns ``(header, data_offset)``: the JSON object as a dict (tensor entries and, if present,
+    ``"__metadata__"``) and the absolute file offset of the byte buffer. Every entry is checked
+    (dtype known, shape a list of non-negative ints, offsets matching shape and dtype, inside the
+    file, the buffer fully indexed) so that later reads cannot go out of bounds.
+
+    Raises ``FileNotFoundError`` for a missing path, ``IsADirectoryError`` for a directory and
+    :class:`SafetensorsError` for anything malformed.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory, not a .safetensors file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _fail(path, f"it holds {len(head)} bytes, fewer than the 8-byte header length field")
+        n = int.from_bytes(head, "little")
+        if n <= 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise _fail(path, f"the header length field says {n} bytes but the file holds {size - 8} after it")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(path, f"the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _fail(path, "the header is not a JSON object")
+    meta = header.get(METADATA_KEY)
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
+        raise _fail(path, f"{METADATA_KEY!r} must map strings to strings")
+    base = 8 + n
+    spans = []
+    for name, info in header.items():
+        if name == METADATA_KEY:
+            continue
+        _, _, (start, end) = _entry(path, name, info)
+        spans.append((start, end, name))
+    spans.sort()
+    pos = 0
+    for start, end, name in spans:
+        if start != pos:
+            what = "overlaps the previous tensor" if start < pos else f"leaves a hole at bytes {pos}..{start}"
+            raise _fail(path, f"tensor {name!r} starts at {start} and {what}")
+        pos = end
+    if base + pos > size:
+        raise _fail(path, f"the tensors need {pos} bytes of data but the file holds {size - base} (truncated?)")
+    return header, base
+
+
+def _entry(path, name, info):
+    """Validated ``(dtype, shape, (start, end))`` of one header entry."""
+    try:
+        dt, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        start, end = (int(o) for o in offsets)
+        shape = tuple(shape)
+    except (KeyError, TypeError, ValueError):
+        raise _fail(path, f"malformed entry for tensor {name!r}: {info!r}") from None
+    if dt not in DTYPES:
+        raise _fail(path, f"tensor {name!r} has dtype {dt!r}; supported: {', '.join(DTYPES)}")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise _fail(path, f"tensor {name!r} has shape {list(shape)}; dimensions must be non-negative integers")
+    nbytes = math.prod(shape) * DTYPES[dt].itemsize
+    if start < 0 or end - start != nbytes:
+        raise _fail(path, f"tensor {name!r}: offsets {start}..{end} do not hold shape {list(shape)} of {dt}")
+    return DTYPES[dt], shape, (start, end)
+
+
+def read_metadata(path) -> dict[str, str]:
+    """The ``"__metadata__"`` map of ``path`` (empty if the file has none)."""
+    header, _ = read_header(path)
+    return dict(header.get(METADATA_KEY) or {})
+
+
+def _read(f, path, base, name, info, mmap):
+    dt, shape, (start, end) = _entry(path, name, info)
+    if mmap:
+        if end == start:
+            return np.zeros(shape, dt)
+        return np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=base + start, shape=shape)
+    out = np.empty(shape, dt)
+    f.seek(base + start)
+    got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+    if got != end - start:
+        raise _fail(path, f"tensor {name!r}: read {got} of {end - start} bytes (file truncated?)")
+    if sys.byteorder == "big" and dt.itemsize > 1:
+        out = out.byteswap()
+    return out
+
+
+def read_tensor(path, name: str, *, mmap: bool = False) -> np.ndarray:
+    """The tensor ``name`` of ``path`` as a NumPy array of its (ml_dtypes) dtype.
+
+    Reads only that tensor's bytes. ``mmap=True`` returns a read-only ``np.memmap`` instead (no copy;
+    pages load on access). ``KeyError`` names the tensors the file holds if ``name`` is absent.
+    """
+    header, base = read_header(path)
+    if name == METADATA_KEY or name not in header:
+        names = [k for k in header if k != METADATA_KEY]
+        raise KeyError(f"{path}: no tensor named {name!r}; the file holds: {', '.join(names) or 'none'}")
+    with open(path, "rb") as f:
+        return _read(f, path, base, name, header[name], mmap)
+
+
+def iter_tensors(path, *, mmap: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(name, array)`` for every tensor of ``path``, one at a time, in file order.
+
+    Only the tensor being yielded is in memory (the header is validated first).
+    """
+    header, base = read_header(path)
+    entries = sorted(
+        ((k, v) for k, v in header.items() if k != METADATA_KEY), key=lambda kv: int(kv[1]["data_offsets"][0])
+    )
+    with open(path, "rb") as f:
+        for name, info in entries:
+            yield name, _read(f, path, base, name, info, mmap)
+
+
+def write(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` (name -> array) and string ``metadata`` to ``path`` as ``.safetensors``.
+
+    Tensors are laid out by decreasing item size (then name), and the header is padded with spaces
+    to a multiple of 8 bytes, so every tensor starts at an offset aligned to its item size (the
+    format forbids holes between tensors, so ordering is the only way to align). The file is
+    written to a temporary name and renamed, so a failed write never leaves a half file at ``path``.
+    """
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"safetensors metadata maps strings to strings; got {k!r}: {type(v).__name__}")
+    arrays = {}
+    for name, arr in tensors.items():
+        if not isinstance(name, str) or name == METADATA_KEY:
+            raise ValueError(f"invalid tensor name {name!r}: names are strings other than {METADATA_KEY!r}")
+        arr = np.asarray(arr)
+        dtype_name(arr.dtype)  # raises for unsupported dtypes
+        arrays[name] = arr
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    header: dict = {METADATA_KEY: meta} if meta else {}
+    pos = 0
+    for name in order:
+        arr = arrays[name]
+        header[name] = {
+            "dtype": dtype_name(arr.dtype),
+            "shape": list(arr.shape),
+            "data_offsets": [pos, pos + arr.nbytes],
+        }
+        pos += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for name in order:
+                arr = np.ascontiguousarray(arrays[name])
+                if arr.dtype.itemsize > 1 and (
+                    arr.dtype.byteorder == ">" or (arr.dtype.byteorder in "=|" and sys.byteorder == "big")
+                ):
+                    arr = arr.byteswap()
+                f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
