@@ -24,8 +24,10 @@ from qformats._builtins import (
 )
 from qformats._compare import compare
 from qformats._elements import FloatElement, IntElement
+from qformats._float8_training import ReciprocalScaleFloat8
 from qformats._format import ScaledFormat
-from qformats._layout import Blocked, Layout, PerChannel, PerTensor, block_amax, block_reduce, expand
+from qformats._hadamard import RandomHadamard
+from qformats._layout import AlongAxis, Blocked, Layout, PerChannel, PerTensor, Tiles, block_amax, block_reduce, expand
 from qformats._mx import MXFormat
 from qformats._nvfp4 import NVFP4Format, NVFP4Scale
 from qformats._per_channel import PerChannelIntFormat
@@ -48,6 +50,7 @@ __all__ = [
     "MXFP8_E5M2",
     "MXINT8",
     "NVFP4",
+    "AlongAxis",
     "Blocked",
     "FloatElement",
     "IntElement",
@@ -59,7 +62,10 @@ __all__ = [
     "PerChannelIntFormat",
     "PerTensor",
     "PerTensorFormat",
+    "RandomHadamard",
+    "ReciprocalScaleFloat8",
     "ScaledFormat",
+    "Tiles",
     "UnknownFormatError",
     "block_amax",
     "compare",

@@ -39,3 +39,15 @@ BUILTINS = {
 
 for _fmt, _aliases in BUILTINS.items():
     register_format(_fmt, aliases=_aliases)
+
+# Operand formats of the float8 training recipes (torchao's convention): found by name, not listed,
+# because they are GEMM-operand codecs for scalify.recipes rather than formats to carry a program in.
+from qformats._float8_training import (  # noqa: E402
+    FP8_E4M3_ROWWISE,
+    FP8_E4M3_TENSORWISE,
+    FP8_E5M2_ROWWISE,
+    FP8_E5M2_TENSORWISE,
+)
+
+for _fmt in (FP8_E4M3_TENSORWISE, FP8_E5M2_TENSORWISE, FP8_E4M3_ROWWISE, FP8_E5M2_ROWWISE):
+    register_format(_fmt, listed=False)

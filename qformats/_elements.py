@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 
 import attrs
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
 
+from qformats import _bits
 from qformats._bits import F32_ABS_MASK, F32_BIAS, F32_EXP_MASK, F32_MANT_BITS, bits_f32, f32_bits
 
 
@@ -82,6 +84,26 @@ class FloatElement:
         return 2.0 ** (e - self.mbits - 1)
 
     # -- encode ---------------------------------------------------------------------------------
+    def stochastic_round(self, v, key):
+        """``v`` (float32) rounded stochastically to this type's grid, as float32 values.
+
+        With ``a = min(|v|, max_value)`` and ``ulp = 2**(max(floor(log2 a), emin) - mbits)`` the
+        grid spacing at ``a``, ``q = a / ulp`` is exact (a power-of-two scaling), and ``a`` rounds
+        to ``floor(q) * ulp`` or ``(floor(q) + 1) * ulp`` with probabilities that make the result
+        unbiased: up when a uniform ``u`` in ``[0, 1)`` is below ``q - floor(q)``. Values on the grid
+        (and 0, and the saturated maximum) are unchanged; NaN stays NaN. :meth:`encode` of the
+        result is then exact.
+        """
+        v = jnp.asarray(v, jnp.float32)
+        a = jnp.minimum(jnp.abs(v), np.float32(self.max_value))
+        e = jnp.maximum(_bits.floor_log2(a), self.emin) - self.mbits
+        q = _bits.mul_pow2(a, -e)
+        low = jnp.floor(q)
+        u = jax.random.uniform(key, v.shape, jnp.float32)
+        r = _bits.mul_pow2(low + (u < q - low).astype(jnp.float32), e)
+        r = jnp.minimum(r, np.float32(self.max_value))
+        return jnp.where(jnp.isnan(v), v, jnp.copysign(r, v))
+
     def encode(self, v, *, nan_free: bool = False):
         """Round float32 ``v`` to this type (nearest-even, saturating) and return its data.
 
@@ -195,6 +217,15 @@ class IntElement:
 
     def half_step(self, v):
         return np.full(np.shape(v), self.step / 2)
+
+    def stochastic_round(self, v, key):
+        """``v`` rounded stochastically (unbiased) to the grid ``code * step``, saturating at
+        ``qmax * step``, as float32 values: up from ``floor(v / step)`` with probability equal to
+        the remainder. NaN stays NaN (and then encodes to 0, as in :meth:`encode`)."""
+        q = jnp.clip(jnp.asarray(v, jnp.float32) * np.float32(1.0 / self.step), -self.qmax, self.qmax)
+        low = jnp.floor(q)
+        u = jax.random.uniform(key, q.shape, jnp.float32)
+        return (low + (u < q - low).astype(jnp.float32)) * np.float32(self.step)
 
     def encode(self, v, *, nan_free: bool = False):
         """``clip(round_even(v / step), -qmax, qmax)`` as int8 (NaN encodes to 0).

@@ -59,6 +59,30 @@ class ScaledFormat(abc.ABC):
         multiplies by a subnormal, to get values.
         """
 
+    # -- optional -------------------------------------------------------------------------------
+    def aim(self, contracted: int, free: int | None = None) -> ScaledFormat:
+        """This format for an operand of a contraction (a GEMM) that sums over axis ``contracted``.
+
+        Block formats put their blocks along ``contracted`` (a block's scale then factors out of
+        each partial sum); ``free`` names a non-contracted axis of the operand, for layouts that
+        need a second axis (per-channel: one scale per index of ``free``; 2-D tiles). ``free`` is
+        ``None`` when the operand has no free axis. The default, for layouts with no axis
+        (per-tensor), is the format itself.
+        """
+        del contracted, free
+        return self
+
+    def quantize_stochastic(self, x, key):
+        """:meth:`quantize` with elements rounded stochastically (unbiased) using PRNG ``key``.
+
+        Formats that support it override this; the scales are those of :meth:`quantize`.
+        """
+        del x, key
+        raise NotImplementedError(
+            f"format {self.name!r} has no stochastic rounding mode; use a format that has one "
+            f"(qformats.NVFP4, the MX formats) or round to nearest."
+        )
+
     # -- derived ----------------------------------------------------------------------------------
     def dequantize(self, data, scale, dtype=jnp.float32):
         """``decode(data) * expand(scale_values(scale))`` cast to ``dtype``."""

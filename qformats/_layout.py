@@ -291,3 +291,52 @@ class Blocked(Layout):
 
     def describe(self):
         return f"blocks of {self.size} along axis {self.axis}"
+
+
+@attrs.frozen
+class Tiles(Layout):
+    """Square tiles: ``size`` elements along ``axis`` by ``size`` along ``tile_axis``; one scale each.
+
+    NVIDIA's NVFP4 training recipe quantizes weights in 16 x 16 tiles, so that a weight and its
+    transpose quantize to the same values (the forward GEMM contracts one tile axis, the input
+    gradient GEMM the other).
+    """
+
+    axis: int = -1
+    tile_axis: int = -2
+    size: int = 16
+
+    def block_shape(self, shape):
+        what = f"This {self.size}x{self.size}-tile format"
+        a = normalize_axis(self.axis, len(shape), what)
+        t = normalize_axis(self.tile_axis, len(shape), what)
+        if a == t:
+            raise ValueError(f"{what} needs two different axes; axis and tile_axis are both {a}.")
+        for i in (a, t):
+            if shape[i] % self.size:
+                raise ValueError(
+                    f"{what} tiles axes {a} and {t}, but the input has shape {tuple(shape)}: axis {i} has "
+                    f"length {shape[i]}, not a multiple of {self.size}. Pad that axis, or use 1-D blocks."
+                )
+        return tuple(self.size if i in (a, t) else 1 for i in range(len(shape)))
+
+    def describe(self):
+        return f"{self.size}x{self.size} tiles on axes ({self.axis}, {self.tile_axis})"
+
+
+@attrs.frozen
+class AlongAxis(Layout):
+    """One scale per line along ``axis``: a block is all of ``axis`` and one index of every other.
+
+    For a matrix contracted along ``axis`` this is one scale per row (or column) of the GEMM,
+    torchao's "rowwise" / "axiswise" float8 scaling.
+    """
+
+    axis: int = -1
+
+    def block_shape(self, shape):
+        a = normalize_axis(self.axis, len(shape), "This axiswise format")
+        return tuple(n if i == a else 1 for i, n in enumerate(shape))
+
+    def describe(self):
+        return f"one scale per line along axis {self.axis}"

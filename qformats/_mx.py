@@ -94,6 +94,22 @@ class MXFormat(ScaledFormat):
             data, byte = self._encode_fast(x, block, fast_amax)
         return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
 
+    def aim(self, contracted, free=None):
+        """Blocks along the contracted axis (each block's scale factors out of the partial sums)."""
+        del free
+        return self.replace(axis=contracted)
+
+    def quantize_stochastic(self, x, key):
+        """:meth:`quantize` with the scaled elements rounded stochastically (same E8M0 scales)."""
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        e, byte = self._scale(_layout.block_amax(x, block, exact=True))
+        inv_head, inv_tail = _bits.pow2_split(-e)
+        v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
+        data = self._pack(self.element.encode(self.element.stochastic_round(v, key)))
+        return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
     def _pack(self, codes, materialized: bool = False):
         if not self._packs:
             return codes

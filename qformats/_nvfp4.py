@@ -43,6 +43,7 @@ class NVFP4Format(ScaledFormat):
     block_size: int = 16
     tensor_scale: bool = True
     packed: bool = True
+    tile_axis: int | None = None
 
     @property
     def element(self):
@@ -50,7 +51,29 @@ class NVFP4Format(ScaledFormat):
 
     @property
     def layout(self):
+        if self.tile_axis is not None:
+            return _layout.Tiles(self.axis, self.tile_axis, self.block_size)
         return _layout.Blocked(self.axis, self.block_size)
+
+    def aim(self, contracted, free=None):
+        """Blocks along the contracted axis; a tiled format (``tile_axis`` set) tiles with ``free``."""
+        if self.tile_axis is None:
+            return self.replace(axis=contracted)
+        if free is None:
+            raise ValueError(
+                f"{self.name} with {self.block_size}x{self.block_size} tiles needs a second (free) axis, "
+                f"but this GEMM operand has none; use 1-D blocks (tile_axis=None) for it."
+            )
+        return self.replace(axis=contracted, tile_axis=free)
+
+    def quantize_stochastic(self, x, key):
+        """:meth:`quantize` with the scaled elements rounded stochastically (same two scale levels)."""
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        code, tensor, total = self._scales(_layout.block_amax(x, block))
+        v = x / _layout.expand(total, x.shape, block)
+        return self._pack(_FP4.encode(_FP4.stochastic_round(v, key))), NVFP4Scale(code, tensor)
 
     def quantize(self, x):
         self.check_input(x)

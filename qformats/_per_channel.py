@@ -27,6 +27,16 @@ class PerChannelIntFormat(ScaledFormat):
     def layout(self):
         return _layout.PerChannel(self.axis)
 
+    def aim(self, contracted, free=None):
+        """One scale per index of the free axis (per output channel of the GEMM)."""
+        if free is None:
+            raise ValueError(
+                f"{self.name} puts one scale per index of a free (non-contracted) axis, but this GEMM "
+                f"operand has none (every axis but axis {contracted} is a batch axis or it is a vector). "
+                f"Use a per-tensor or block format for it."
+            )
+        return self.replace(axis=free)
+
     def quantize(self, x):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)

@@ -16,6 +16,9 @@ ENTRY_POINT_GROUP = "qformats.formats"
 
 _FORMATS: dict[str, ScaledFormat] = {}
 _ALIASES: dict[str, str] = {}
+# Names registered with ``listed=False``: found by name, left out of the default listing (and so out of
+# the test suites and benchmarks that run over every listed format).
+_UNLISTED: set[str] = set()
 _entry_points_loaded = False
 
 
@@ -26,11 +29,16 @@ class UnknownFormatError(KeyError, ValueError):
         return str(self.args[0])
 
 
-def register_format(fmt: ScaledFormat, name: str | None = None, *, overwrite: bool = False, aliases=()) -> ScaledFormat:
+def register_format(
+    fmt: ScaledFormat, name: str | None = None, *, overwrite: bool = False, aliases=(), listed: bool = True
+) -> ScaledFormat:
     """Register ``fmt`` under ``name`` (default ``fmt.name``) and optional ``aliases``.
 
     Raises ``ValueError`` if the name is taken, unless ``overwrite=True``. Returns ``fmt`` so it can
-    be used as ``MYFMT = register_format(MyFormat(...))``.
+    be used as ``MYFMT = register_format(MyFormat(...))``. ``listed=False`` registers a format that
+    is found by name but not listed by :func:`list_formats` unless ``unlisted=True`` is asked for:
+    the storage layouts of published checkpoints and the training-recipe operand formats, which are
+    quantize/dequantize codecs rather than formats to carry through a whole program.
     """
     if not isinstance(fmt, ScaledFormat):
         raise TypeError(
@@ -45,6 +53,10 @@ def register_format(fmt: ScaledFormat, name: str | None = None, *, overwrite: bo
             )
     _ALIASES.pop(key, None)
     _FORMATS[key] = fmt
+    if listed:
+        _UNLISTED.discard(key)
+    else:
+        _UNLISTED.add(key)
     for a in aliases:
         _ALIASES[a.lower()] = key
     return fmt
@@ -87,10 +99,13 @@ def get_format(name) -> ScaledFormat:
     return fmt
 
 
-def list_formats(*, aliases: bool = False) -> list[str]:
-    """Names of the registered formats, in registration order (plus aliases if asked)."""
+def list_formats(*, aliases: bool = False, unlisted: bool = False) -> list[str]:
+    """Names of the registered formats, in registration order (plus aliases if asked).
+
+    Formats registered with ``listed=False`` are included only with ``unlisted=True``.
+    """
     _load_entry_points()
-    names = list(_FORMATS)
+    names = [n for n in _FORMATS if unlisted or n not in _UNLISTED]
     return names + sorted(_ALIASES) if aliases else names
 
 
@@ -98,5 +113,6 @@ def unregister_format(name: str) -> None:
     """Remove a registered name and the aliases pointing to it (mainly for tests)."""
     key = name.lower()
     _FORMATS.pop(key, None)
+    _UNLISTED.discard(key)
     for a in [a for a, k in _ALIASES.items() if k == key]:
         del _ALIASES[a]

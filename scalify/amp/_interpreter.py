@@ -21,6 +21,7 @@ import numpy as np
 
 from scalify.amp import _jax_compat as jc
 from scalify.amp._policy import (
+    BindRule,
     QuantizeInputs,
     as_precision_fn,
     cast_if_float,
@@ -118,13 +119,17 @@ def eval_jaxpr(ctx: _Context, closed, args, scopes: tuple[str, ...] = ()) -> lis
             else:
                 rule = ctx.lookup(eqn_scopes, prim)
                 subfuns, params = jc.get_bind_params(prim, eqn.params)
-                if isinstance(rule, QuantizeInputs):
-                    invals, params = rule.apply(prim, ctx.compute_dtype, orig_dtypes, invals, params)
+                if isinstance(rule, BindRule):
+                    invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
+                    outs = rule.bind(prim, invals, params, [v.aval for v in eqn.outvars])
                 else:
-                    invals, params = rule(ctx.compute_dtype, orig_dtypes, *invals, **params)
-                outs = prim.bind(*subfuns, *invals, **params)
-                if not prim.multiple_results:
-                    outs = [outs]
+                    if isinstance(rule, QuantizeInputs):
+                        invals, params = rule.apply(prim, ctx.compute_dtype, orig_dtypes, invals, params)
+                    else:
+                        invals, params = rule(ctx.compute_dtype, orig_dtypes, *invals, **params)
+                    outs = prim.bind(*subfuns, *invals, **params)
+                    if not prim.multiple_results:
+                        outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jc.DropVar):
                 env[v] = x

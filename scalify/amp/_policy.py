@@ -198,6 +198,18 @@ class QuantizeInputs:
         return self.apply(None, compute_dtype, original_dtypes, list(invars), bind_params)
 
 
+class BindRule:
+    """A policy value that evaluates the equation itself instead of choosing its inputs' precision.
+
+    The walker calls ``bind(primitive, invals, params, out_avals)`` with the inputs cast back to the
+    program's dtypes; it returns the equation's outputs (a list), with the program's output avals.
+    ``scalify.recipes`` is a policy of such rules over this walker.
+    """
+
+    def bind(self, primitive, invals, params, out_avals) -> list:
+        raise NotImplementedError
+
+
 def use_format(fmt) -> QuantizeInputs:
     """Policy value quantizing inputs through ``fmt`` (what a bare format in a policy means)."""
     return QuantizeInputs(fmt)
@@ -227,7 +239,7 @@ def as_precision_fn(value):
         return use_original_precision
     if _is_format(value):
         return QuantizeInputs(value)
-    if isinstance(value, QuantizeInputs) or (callable(value) and not isinstance(value, type)):
+    if isinstance(value, (QuantizeInputs, BindRule)) or (callable(value) and not isinstance(value, type)):
         return value
     if _is_dtype(value):
         return use_precision(value)

@@ -1,0 +1,68 @@
+"""``apply(fn, recipe)``: the recipe as a rule table over amp's jaxpr walker.
+
+Every floating ``dot_general`` and ``conv_general_dilated`` of ``fn`` (inside nested ``jit``,
+``scan``, ``while``, ``cond``, ``checkpoint`` and custom derivative rules too) is replaced by
+:func:`scalify.recipes._gemm.recipe_contraction`, whose custom VJP runs the backward GEMMs under
+the recipe. Contractions under ``amp_stop`` or a scope named in ``recipe.high_precision_scopes``
+keep the program's precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import lax
+
+from scalify.amp._interpreter import amp
+from scalify.amp._policy import BindRule, use_original_precision
+from scalify.recipes._builtins import get_recipe
+from scalify.recipes._gemm import Contraction, recipe_contraction
+from scalify.recipes._recipe import Recipe
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+class RecipeContraction(BindRule):
+    """Binds a contraction as :func:`recipe_contraction` under ``recipe``."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def __repr__(self):
+        return f"RecipeContraction({self.recipe.name!r})"
+
+    def bind(self, primitive, invals, params, out_avals):
+        x, w = invals
+        if not (_is_float(x) and _is_float(w)):
+            return [primitive.bind(x, w, **params)]
+        op = Contraction(primitive, tuple(sorted(params.items())))
+        out_dtype = self.recipe.out_dtype or out_avals[0].dtype
+        return [recipe_contraction(self.recipe, op, out_dtype, x, w).astype(out_avals[0].dtype)]
+
+
+def policy(recipe: Recipe) -> dict:
+    """The amp policy that applies ``recipe``."""
+    rule = RecipeContraction(recipe)
+    out = {lax.dot_general_p: rule, lax.conv_general_dilated_p: rule}
+    out.update({scope: use_original_precision for scope in recipe.high_precision_scopes})
+    return out
+
+
+def apply(fn: Callable, recipe) -> Callable:
+    """``fn`` with every contraction, and its gradients under ``jax.grad``, run under ``recipe``.
+
+    Args:
+      fn: an unchanged JAX function (a model's loss, a layer). Take gradients of the result
+        (``jax.grad(apply(loss, recipe))``), not the other way round: the recipe replaces forward
+        contractions with ones whose custom VJP quantizes the backward GEMMs' operands.
+      recipe: a :class:`Recipe` or a built-in recipe's name (``"mxfp8"``, ``"float8_rowwise"``, ...).
+
+    Returns:
+      A function with ``fn``'s signature and output dtypes. Each GEMM is emulated as one float32
+      contraction of the quantized-then-dequantized operands.
+    """
+    recipe = get_recipe(recipe)
+    return amp(fn, compute_dtype=jnp.float32, amp_policy=policy(recipe))

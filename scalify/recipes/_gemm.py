@@ -1,0 +1,162 @@
+"""The contraction a recipe puts in place of ``dot_general`` / ``conv_general_dilated``.
+
+Both primitives are bilinear, ``y = f(x, w)``, so their gradients are linear transposes of ``f``
+with one operand held fixed:
+
+    y  = f(q_fwd_lhs(x),  q_fwd_rhs(w))
+    dx = f(., q_dgrad_rhs(w))^T  q_dgrad_lhs(dy)
+    dw = f(q_wgrad_rhs(x), .)^T  q_wgrad_lhs(dy)
+
+where ``q_role`` quantizes and dequantizes through the role's format aimed at the axis that GEMM
+sums over. Each GEMM then runs as one float32 contraction of the dequantized operands (the
+emulated kernel; exact products, float32 accumulation), and ``jax.custom_vjp`` makes ``jax.grad``
+run the two backward GEMMs this way, so the roles are known, not guessed from a jaxpr.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scalify.recipes._recipe import ROLES, Recipe
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+class _Aim(NamedTuple):
+    """Axes of one GEMM operand: those the GEMM sums over, and the free ones (kept in the output)."""
+
+    contracted: tuple[int, ...]
+    free: tuple[int, ...]
+
+
+def _rest(ndim, *taken):
+    used = {a for axes in taken for a in axes}
+    return tuple(a for a in range(ndim) if a not in used)
+
+
+def dot_aims(params, lhs_ndim: int, rhs_ndim: int) -> dict[str, _Aim]:
+    """Each role's axes for ``dot_general``; the output is (batch, lhs free, rhs free)."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lf, rf = _rest(lhs_ndim, lc, lb), _rest(rhs_ndim, rc, rb)
+    nb = len(lb)
+    out_lf = tuple(range(nb, nb + len(lf)))
+    out_rf = tuple(range(nb + len(lf), nb + len(lf) + len(rf)))
+    return {
+        "fwd_lhs": _Aim(tuple(lc), lf),
+        "fwd_rhs": _Aim(tuple(rc), rf),
+        "dgrad_lhs": _Aim(out_rf, out_lf),
+        "dgrad_rhs": _Aim(rf, tuple(rc)),
+        "wgrad_lhs": _Aim(out_lf, out_rf),
+        "wgrad_rhs": _Aim(lf, tuple(lc)),
+    }
+
+
+def conv_aims(params, lhs_ndim: int, rhs_ndim: int) -> dict[str, _Aim]:
+    """Each role's axes for ``conv_general_dilated``.
+
+    The forward sums over input features (and the window), the input gradient over output
+    features, the weight gradient over the batch (and positions); blocks go along the feature or
+    batch axis, never along a spatial one.
+    """
+    del lhs_ndim, rhs_ndim
+    dn = params["dimension_numbers"]
+    (ln, lfeat), (ro, ri), (on, ofeat) = dn.lhs_spec[:2], dn.rhs_spec[:2], dn.out_spec[:2]
+    return {
+        "fwd_lhs": _Aim((lfeat,), (ln,)),
+        "fwd_rhs": _Aim((ri,), (ro,)),
+        "dgrad_lhs": _Aim((ofeat,), (on,)),
+        "dgrad_rhs": _Aim((ro,), (ri,)),
+        "wgrad_lhs": _Aim((on,), (ofeat,)),
+        "wgrad_rhs": _Aim((ln,), (lfeat,)),
+    }
+
+
+def _content_key(seed: int, role_index: int, x):
+    """A PRNG key for stochastic rounding, from the recipe's seed, the role and ``x``'s bits."""
+    bits = lax.bitcast_convert_type(x.astype(_F32), jnp.int32)
+    digest = jnp.sum(bits * jnp.int32(-1640531535), dtype=jnp.int32)  # wrapping sum of the bits, mixed
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), role_index), digest)
+
+
+def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim):
+    """``x`` through the role's format aimed at its GEMM's contracted axis, dequantized to float32.
+
+    High-precision roles, and operands of a GEMM that sums over nothing (an outer product), are
+    returned as float32 unchanged.
+    """
+    fmt = recipe.format_of(role)
+    x32 = x.astype(_F32)
+    if fmt is None or not aim.contracted:
+        return x32
+    fmt = fmt.aim(aim.contracted[-1], aim.free[-1] if aim.free else None)
+    if role in recipe.stochastic_rounding:
+        data, scale = fmt.quantize_stochastic(x32, _content_key(recipe.seed, ROLES.index(role), x32))
+    else:
+        data, scale = fmt.quantize(x32)
+    return fmt.dequantize(data, scale, _F32)
+
+
+class Contraction(NamedTuple):
+    """A bilinear primitive with its static parameters (hashable: a ``custom_vjp`` static argument)."""
+
+    primitive: object
+    params: tuple  # sorted (name, value) pairs of the bind parameters
+
+    def __call__(self, a, b, **overrides):
+        return self.primitive.bind(a, b, **{**dict(self.params), **overrides})
+
+    def aims(self, lhs_ndim, rhs_ndim):
+        aims_fn = conv_aims if self.primitive is lax.conv_general_dilated_p else dot_aims
+        return aims_fn(dict(self.params), lhs_ndim, rhs_ndim)
+
+    def emulated(self, a, b):
+        """The float32 contraction of dequantized operands (exact float32 products and sums)."""
+        return self(a, b, precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST), preferred_element_type=_F32)
+
+
+def _forward(recipe, op, out_dtype, x, w):
+    aims = op.aims(x.ndim, w.ndim)
+    xq = quantize_operand(recipe, "fwd_lhs", x, aims["fwd_lhs"])
+    wq = quantize_operand(recipe, "fwd_rhs", w, aims["fwd_rhs"])
+    return op.emulated(xq, wq).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def recipe_contraction(recipe: Recipe, op: Contraction, out_dtype, x, w):
+    """``op(x, w)`` with every GEMM of its value and its gradients under ``recipe``."""
+    return _forward(recipe, op, out_dtype, x, w)
+
+
+def _fwd(recipe, op, out_dtype, x, w):
+    return _forward(recipe, op, out_dtype, x, w), (x, w)
+
+
+def _bwd(recipe, op, out_dtype, res, g):
+    del out_dtype
+    x, w = res
+    aims = op.aims(x.ndim, w.ndim)
+    g32 = g.astype(_F32)
+
+    # input gradient: dx = f(., w)^T dy
+    gq = quantize_operand(recipe, "dgrad_lhs", g32, aims["dgrad_lhs"])
+    wq = quantize_operand(recipe, "dgrad_rhs", w, aims["dgrad_rhs"])
+    (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq), jax.ShapeDtypeStruct(x.shape, _F32))(gq)
+
+    # weight gradient: dw = f(x, .)^T dy, both operands optionally rotated along the summed M axis
+    gw, xw = g32, x.astype(_F32)
+    hadamard = recipe.wgrad_hadamard
+    if hadamard is not None and aims["wgrad_lhs"].contracted:
+        gw = hadamard.apply(gw, aims["wgrad_lhs"].contracted[-1])
+        xw = hadamard.apply(xw, aims["wgrad_rhs"].contracted[-1])
+    gq = quantize_operand(recipe, "wgrad_lhs", gw, aims["wgrad_lhs"])
+    xq = quantize_operand(recipe, "wgrad_rhs", xw, aims["wgrad_rhs"])
+    (dw,) = jax.linear_transpose(lambda b: op.emulated(xq, b), jax.ShapeDtypeStruct(w.shape, _F32))(gq)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+recipe_contraction.defvjp(_fwd, _bwd)
