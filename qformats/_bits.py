@@ -62,3 +62,22 @@ def mul_pow2(x, e):
     """``x * 2**e`` for integer ``e`` in [-127, 127] without a subnormal multiplier."""
     head, tail = pow2_split(e)
     return x * head * tail
+
+
+def log2_f32(x):
+    """``log2(x)`` for positive normal float32 ``x``, rounded to float32 as a correctly rounded
+    ``log2f`` rounds it (what ``torch.log2`` returns at the points that matter below).
+
+    ``floor``/``ceil`` of a float32 ``log2`` is how torchao derives power-of-two scales; near a
+    power of two ``2**k`` the rounded logarithm lands exactly on ``k`` when ``|log2 x - k|`` is
+    below half a float32 ulp of ``k``, so it differs from the exact exponent there. To reproduce
+    that rounding, ``x = 2**e * m`` with ``m`` in ``[sqrt(1/2), sqrt(2))`` and the float32 sum
+    ``e + log2(m)`` is formed: ``log2(m)`` is small and accurate, so the one rounding of the sum is
+    the rounding of the exact logarithm.
+    """
+    b = f32_bits(x)
+    # e such that m = x / 2**e lies in [sqrt(1/2), sqrt(2)): bump the exponent when the mantissa
+    # is at least sqrt(2) (0x3504F3 is the mantissa field of sqrt(2) rounded up).
+    e = ((b >> F32_MANT_BITS) & 0xFF) - F32_BIAS + ((b & F32_MANT_MASK) >= 0x3504F3).astype(jnp.int32)
+    m = bits_f32((b & F32_MANT_MASK) | ((F32_BIAS - (e - floor_log2(x))) << F32_MANT_BITS))
+    return e.astype(jnp.float32) + jnp.log2(m)

@@ -54,7 +54,10 @@ class ReciprocalScaleFloat8(ScaledFormat):
         # max_value is an operand, not a folded constant: XLA may not rewrite this division.
         r = jnp.asarray(self.max_value, jnp.float32) / jnp.maximum(amax, np.float32(self.eps))
         if self.pow2:
-            r = _bits.bits_f32(_bits.f32_bits(r) & _bits.F32_EXP_MASK)  # 2**floor(log2 r), r normal
+            # torchao's exp2(floor(log2(r))) with a float32 log2, whose rounding can reach the next
+            # integer just below a power of two (the scale is then that power, and the largest
+            # element saturates): reproduced with the same rounding, not with the exact exponent.
+            r = _bits.pow2(jnp.clip(jnp.floor(_bits.log2_f32(r)).astype(jnp.int32), -126, 127))
         return r
 
     def quantize(self, x):

@@ -10,7 +10,7 @@ from jax import lax
 from qformats import _bits, _layout, _packing
 from qformats._format import ScaledFormat
 
-SCALE_MODES = ("floor", "ceil", "even", "rceil")
+SCALE_MODES = ("floor", "ceil", "even", "rceil", "rceil_log2")
 E8M0_NAN = 255
 
 
@@ -26,7 +26,11 @@ def e8m0_exponent(amax, element, mode: str):
     * ``ceil``: ``ceil(log2(amax)) - emax``;
     * ``even``: ``amax`` first rounded (nearest-even) to the element's mantissa width, then floor;
       as in torchao, a block whose rounded ``amax`` overflows float32 gets a NaN scale;
-    * ``rceil`` (NVIDIA): ``ceil(log2(amax / max_value))``, so the block never saturates.
+    * ``rceil`` (NVIDIA): ``ceil(log2(amax / max_value))``, so the block never saturates;
+    * ``rceil_log2``: ``rceil`` with the logarithm rounded to float32 before the ``ceil``, as torchao
+      computes it (``torch.ceil(torch.log2(amax / max_value))``): just above a power of two the
+      rounded logarithm is that power's exponent, so the scale is one step smaller than ``rceil``'s
+      and the block's largest element saturates.
 
     Clamped to E8M0's range ``[-127, 127]``; computed from the float32 bits. Returns
     ``(exponent, overflow)`` where ``overflow`` marks blocks whose scale must be NaN.
@@ -34,6 +38,10 @@ def e8m0_exponent(amax, element, mode: str):
     overflow = jnp.zeros(amax.shape, bool)
     if mode == "rceil":
         e = _bits.ceil_log2(amax / np.float32(element.max_value))
+    elif mode == "rceil_log2":
+        ratio = amax / np.float32(element.max_value)
+        safe = jnp.where(ratio >= np.float32(np.finfo(np.float32).tiny), ratio, np.float32(1))
+        e = jnp.where(ratio == safe, jnp.ceil(_bits.log2_f32(safe)).astype(jnp.int32), _bits.ceil_log2(ratio))
     else:
         if mode == "floor":
             e = _bits.floor_log2(amax)

@@ -9,14 +9,15 @@ MXFP8 = Recipe.uniform("mxfp8", qf.MXFP8)
 """torchao MX training, MXFP8: E4M3 elements in blocks of 32 along each GEMM's contracted axis, E8M0
 scales rounded down (OCP ``floor``), for all six operands."""
 
-MXFP8_RCEIL = Recipe.uniform("mxfp8_rceil", qf.MXFP8.replace(scale_mode="rceil"))
-"""MXFP8 with NVIDIA's ``rceil`` scales (``amax / 448`` rounded up to a power of two: never saturates)."""
+MXFP8_RCEIL = Recipe.uniform("mxfp8_rceil", qf.MXFP8.replace(scale_mode="rceil_log2"))
+"""MXFP8 with torchao's ``RCEIL`` scales: ``amax / 448`` rounded up to a power of two through a float32
+``log2`` (``scale_mode="rceil_log2"``; ``"rceil"`` is the exact rounding of NVIDIA's hardware)."""
 
 MXFP4 = Recipe.uniform("mxfp4", qf.MXFP4)
 """torchao MX training with FP4 (E2M1) elements, floor scales."""
 
-MXFP4_RCEIL = Recipe.uniform("mxfp4_rceil", qf.MXFP4.replace(scale_mode="rceil"))
-"""MXFP4 with ``rceil`` scales."""
+MXFP4_RCEIL = Recipe.uniform("mxfp4_rceil", qf.MXFP4.replace(scale_mode="rceil_log2"))
+"""MXFP4 with torchao's ``RCEIL`` scales (see ``MXFP8_RCEIL``)."""
 
 _E4M3_T = qf.get_format("fp8_e4m3_tensorwise")
 _E5M2_T = qf.get_format("fp8_e5m2_tensorwise")
