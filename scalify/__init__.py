@@ -13,7 +13,9 @@ from scalify import (
     _rules_control,
     _rules_multiplicative,
     _rules_nonlinear,
+    _serialization,
     amp,
+    io,
     lax,
     ops,
     tree,
@@ -23,7 +25,10 @@ from scalify._interpreter import scalify
 from scalify._registry import RULES, Rule, ScalifyUnsupportedError, register_rule
 from scalify._scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from scalify._sharding import device_put, scaled_sharding
+from scalify._vmap import vmap
 from scalify.ops import debug_callback
+
+_serialization.install()
 
 del _rules_additive, _rules_collectives, _rules_commuting, _rules_control, _rules_multiplicative, _rules_nonlinear
 
@@ -40,6 +45,7 @@ __all__ = [
     "debug_callback",
     "device_put",
     "get_config",
+    "io",
     "is_scaled_leaf",
     "lax",
     "ops",
@@ -49,4 +55,5 @@ __all__ = [
     "scaled_sharding",
     "scalify",
     "tree",
+    "vmap",
 ]

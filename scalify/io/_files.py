@@ -1,0 +1,252 @@
+"""``save`` / ``load``: pytrees of ScaledArrays in ``.safetensors`` files that any safetensors reader opens.
+
+Layout of a file written by :func:`save`:
+
+* one named tensor per array leaf, named by its path in the tree with ``.`` between parts
+  (``w.data``, ``w.scale``, ``layers.0.w.scale.block`` for NVFP4's two-level scale, ``b`` for a
+  plain array); ScaledArray data and scale are stored exactly as held (fp8 / bf16 / E8M0 as the
+  safetensors types ``F8_E4M3``, ``BF16``, ``F8_E8M0``, packed fp4 and fp6 codes as ``U8``);
+* ``__metadata__`` (string to string): ``scalify.io.version`` and ``scalify.io.tree``, a JSON
+  description of the containers (dict, list, tuple, None), each ScaledArray's format spec (registry
+  name plus changed fields, see :mod:`scalify._serialization`) and logical dtype, and the scale's
+  own structure.
+
+Nothing executable is stored; formats are rebuilt through :func:`qformats.get_format`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qformats as qf
+from qformats import _safetensors
+from scalify import _serialization
+from scalify._scaled_array import ScaledArray
+
+VERSION = 1
+VERSION_KEY = "scalify.io.version"
+TREE_KEY = "scalify.io.tree"
+_ROOT = "tensor"
+
+
+class ScalifyIOError(ValueError):
+    """A tree that :func:`save` cannot store, or a file whose scalify metadata is inconsistent."""
+
+
+def _join(prefix: str, part) -> str:
+    part = str(part)  # keys may contain '.'; a resulting name collision is an error in _add
+    return f"{prefix}.{part}" if prefix else part
+
+
+def _encode_scale(node, prefix, out, where):
+    """JSON description of a scale pytree; its array leaves are added to ``out``."""
+    if node is None:
+        return None
+    if isinstance(node, dict):
+        keys = list(node)
+        if not all(isinstance(k, str) for k in keys):
+            raise ScalifyIOError(f"{where}: scale dict keys must be strings, got {keys!r}")
+        return {"dict": {k: _encode_scale(node[k], _join(prefix, k), out, where) for k in keys}}
+    cls = type(node)
+    reg = _serialization.scale_type_name(cls)
+    if reg is not None:
+        fields = _serialization.scale_type_fields(node)
+        return {"node": reg, "fields": {k: _encode_scale(v, _join(prefix, k), out, where) for k, v in fields.items()}}
+    if isinstance(node, list | tuple):
+        kind = "list" if isinstance(node, list) else "tuple"
+        if kind == "tuple" and type(node) is not tuple:
+            raise ScalifyIOError(
+                f"{where}: scale type {cls.__name__} is not known to scalify.io; register it once with "
+                f"scalify.io.register_scale_type({cls.__name__})."
+            )
+        return {kind: [_encode_scale(v, _join(prefix, i), out, where) for i, v in enumerate(node)]}
+    if _is_array(node):
+        _add(out, prefix or _ROOT, node, where)
+        return {"array": prefix or _ROOT}
+    raise ScalifyIOError(
+        f"{where}: scale pytree node {cls.__name__} is not known to scalify.io; register it once with "
+        f"scalify.io.register_scale_type({cls.__name__})."
+    )
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, np.ndarray | np.generic | jax.Array | int | float | bool)
+
+
+def _add(out, name, x, where):
+    if name in out:
+        raise ScalifyIOError(
+            f"{where}: two leaves map to the tensor name {name!r} (a key containing '.' collides with a "
+            f"nested path). Rename one of the keys."
+        )
+    if isinstance(x, jax.core.Tracer):
+        raise ScalifyIOError(f"{where}: is a traced value; call scalify.io.save outside jit/grad/vmap.")
+    out[name] = np.asarray(x)
+
+
+def _encode(node, prefix, out):
+    where = f"tree leaf {prefix or '(root)'!r}"
+    if node is None:
+        return None
+    if isinstance(node, ScaledArray):
+        data_name = _join(prefix, "data")
+        _add(out, data_name, node.data, where)
+        return {
+            "scaled": {
+                "data": data_name,
+                "scale": _encode_scale(node.scale, _join(prefix, "scale"), out, where),
+                "fmt": _serialization.format_to_spec(node.fmt),
+                "dtype": None if node._dtype is None else node._dtype.name,
+            }
+        }
+    if isinstance(node, dict):
+        keys = list(node)
+        if not all(isinstance(k, str) for k in keys):
+            raise ScalifyIOError(
+                f"{where}: dict keys must be strings to become tensor names; got {[type(k).__name__ for k in keys]}"
+            )
+        return {"dict": {k: _encode(node[k], _join(prefix, k), out) for k in keys}}
+    if type(node) in (list, tuple):
+        kind = "list" if type(node) is list else "tuple"
+        return {kind: [_encode(v, _join(prefix, i), out) for i, v in enumerate(node)]}
+    if _is_array(node):
+        name = prefix or _ROOT
+        _add(out, name, node, where)
+        return {"array": name}
+    raise ScalifyIOError(
+        f"{where}: scalify.io.save stores dicts (string keys), lists, tuples, None, arrays and ScaledArrays; "
+        f"got {type(node).__name__}. Convert it to a dict (e.g. flax.serialization.to_state_dict) or use "
+        f"orbax / flax.serialization.to_bytes for arbitrary pytrees."
+    )
+
+
+def save(path, tree) -> None:
+    """Write ``tree`` (dicts, lists, tuples of ScaledArrays and arrays) to the ``.safetensors`` file ``path``.
+
+    Data and scales are stored bit for bit in their own dtypes; see the module docstring for the tensor
+    names and metadata. The file is written atomically (temporary file, then rename).
+    """
+    tensors: dict[str, np.ndarray] = {}
+    desc = _encode(tree, "", tensors)
+    meta = {VERSION_KEY: str(VERSION), TREE_KEY: json.dumps(desc, separators=(",", ":"))}
+    _safetensors.write(path, tensors, meta)
+
+
+def _to_jax(x: np.ndarray):
+    """A NumPy leaf as a jax.Array, unless that would change its bits (64-bit types without x64)."""
+    if x.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        return x
+    return jnp.asarray(x)
+
+
+def _decode_scale(d, tensors, where):
+    if d is None:
+        return None
+    if "node" in d:
+        cls = _serialization.scale_type_by_name(d["node"], where=where)
+        return cls(**{k: _decode_scale(c, tensors, where) for k, c in d["fields"].items()})
+    kind = next(iter(d))
+    v = d[kind]
+    if kind == "array":
+        return _take(tensors, v, where)
+    if kind == "dict":
+        return {k: _decode_scale(c, tensors, where) for k, c in v.items()}
+    if kind in ("list", "tuple"):
+        items = [_decode_scale(c, tensors, where) for c in v]
+        return items if kind == "list" else tuple(items)
+    raise ScalifyIOError(f"{where}: unknown scale node kind {kind!r} in the scalify metadata")
+
+
+def _take(tensors, name, where):
+    if name not in tensors:
+        raise ScalifyIOError(f"{where}: the metadata names tensor {name!r}, which the file does not hold")
+    return _to_jax(tensors[name])
+
+
+def _decode(d, tensors, where):
+    if d is None:
+        return None
+    if not isinstance(d, dict) or not d:
+        raise ScalifyIOError(f"{where}: malformed scalify tree description {d!r}")
+    kind = next(iter(d))
+    v = d[kind]
+    if kind == "array":
+        return _take(tensors, v, where)
+    if kind == "dict":
+        return {k: _decode(c, tensors, where) for k, c in v.items()}
+    if kind in ("list", "tuple"):
+        items = [_decode(c, tensors, where) for c in v]
+        return items if kind == "list" else tuple(items)
+    if kind == "scaled":
+        fmt = _serialization.format_from_spec(v["fmt"], where=where)
+        data = _take(tensors, v["data"], where)
+        scale = _decode_scale(v["scale"], tensors, where)
+        return ScaledArray(data, scale, fmt=fmt, dtype=None if v["dtype"] is None else jnp.dtype(v["dtype"]))
+    raise ScalifyIOError(f"{where}: unknown node kind {kind!r} in the scalify metadata")
+
+
+def _from_checkpoint(path: Path, why: str):
+    reader = getattr(qf, "read_checkpoint", None)
+    if reader is None:
+        raise ScalifyIOError(
+            f"{path}: {why}, and this qformats has no read_checkpoint to read published checkpoints. "
+            f"scalify.io.load reads .safetensors files written by scalify.io.save."
+        )
+    out = {}
+    for name, t in reader(path).items():
+        if isinstance(t, np.ndarray | np.generic | jax.Array):
+            out[name] = _to_jax(np.asarray(t))
+        else:
+            fmt, data, scale = t
+            dtype = getattr(t, "dtype", None) or jnp.float32
+            out[name] = ScaledArray(
+                jnp.asarray(data), jax.tree.map(lambda s: _to_jax(np.asarray(s)), scale), fmt=fmt, dtype=dtype
+            )
+    return out
+
+
+def load(path):
+    """Read a file written by :func:`save` and return the same tree (ScaledArrays and jax arrays), bit-exact.
+
+    Any other path (a folder, a ``.gguf`` file, a ``.safetensors`` file without scalify metadata) is
+    read with :func:`qformats.read_checkpoint` (published quantized checkpoints) and returned as
+    ``{logical name: ScaledArray | jax.Array}``, each quantized tensor wrapped as a ScaledArray of its
+    checkpoint format (logical dtype: the producer's output dtype). 64-bit leaves stay NumPy arrays
+    when JAX's x64 mode is off, so their bits are kept.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return _from_checkpoint(path, "is a folder")
+    if path.suffix.lower() != ".safetensors":
+        return _from_checkpoint(path, f"is not a .safetensors file (suffix {path.suffix or '(none)'!r})")
+    header, _ = _safetensors.read_header(path)
+    meta = header.get(_safetensors.METADATA_KEY) or {}
+    if TREE_KEY not in meta:
+        return _from_checkpoint(path, f"has no {TREE_KEY!r} metadata (not written by scalify.io.save)")
+    try:
+        version = int(meta.get(VERSION_KEY, "0"))
+    except ValueError:
+        version = -1
+    if version != VERSION:
+        raise ScalifyIOError(
+            f"{path}: written with scalify.io format version {meta.get(VERSION_KEY)!r}; this scalify reads "
+            f"version {VERSION}. Use the scalify version that wrote it."
+        )
+    try:
+        desc = json.loads(meta[TREE_KEY])
+    except json.JSONDecodeError as e:
+        raise ScalifyIOError(
+            f"{path}: the {TREE_KEY!r} metadata is not valid JSON ({e}); the file is corrupted"
+        ) from None
+    tensors = dict(_safetensors.iter_tensors(path))
+    try:
+        return _decode(desc, tensors, str(path))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ScalifyIOError(f"{path}: the {TREE_KEY!r} metadata is malformed ({type(e).__name__}: {e})") from None
