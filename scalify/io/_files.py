@@ -248,5 +248,7 @@ def load(path):
     tensors = dict(_safetensors.iter_tensors(path))
     try:
         return _decode(desc, tensors, str(path))
+    except (qf.UnknownFormatError, _serialization.FormatSerializationError):
+        raise
     except (KeyError, TypeError, AttributeError) as e:
         raise ScalifyIOError(f"{path}: the {TREE_KEY!r} metadata is malformed ({type(e).__name__}: {e})") from None
