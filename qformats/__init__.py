@@ -22,6 +22,7 @@ from qformats._builtins import (
     MXINT8,
     NVFP4,
 )
+from qformats._checkpoint import CheckpointError, QuantizedTensor, read_checkpoint
 from qformats._compare import compare
 from qformats._elements import FloatElement, IntElement
 from qformats._float8_training import ReciprocalScaleFloat8
@@ -65,6 +66,9 @@ __all__ = [
     "RandomHadamard",
     "ReciprocalScaleFloat8",
     "ScaledFormat",
+    "CheckpointError",
+    "QuantizedTensor",
+    "read_checkpoint",
     "Tiles",
     "UnknownFormatError",
     "block_amax",

@@ -51,3 +51,9 @@ from qformats._float8_training import (  # noqa: E402
 
 for _fmt in (FP8_E4M3_TENSORWISE, FP8_E5M2_TENSORWISE, FP8_E4M3_ROWWISE, FP8_E5M2_ROWWISE):
     register_format(_fmt, listed=False)
+
+# Storage layouts of published checkpoints (qformats.read_checkpoint): found by name, not listed.
+from qformats._fmt_checkpoints import CHECKPOINT_FORMATS  # noqa: E402
+
+for _fmt in CHECKPOINT_FORMATS:
+    register_format(_fmt, listed=False)

@@ -1,0 +1,180 @@
+"""Reader for compressed-tensors checkpoints (the layout llm-compressor writes and vLLM loads).
+
+For ``W[N, K]`` under module prefix ``p``:
+
+* ``nvfp4-pack-quantized``: ``p.weight_packed`` u8 ``[N, K/2]``, ``p.weight_scale`` f8e4m3 ``[N, K/16]``,
+  ``p.weight_global_scale`` f32 ``[1]`` (a divisor) -> ``ct_nvfp4`` (bfloat16 output, always);
+* ``mxfp4-pack-quantized``: ``p.weight_packed`` u8 ``[N, K/2]``, ``p.weight_scale`` u8 E8M0 ``[N, K/32]``
+  -> ``ct_mxfp4`` (bfloat16 output);
+* ``float-quantized``: ``p.weight`` f8e4m3 ``[N, K]``, ``p.weight_scale`` in the model dtype, ``[1]``
+  (tensor), ``[N, 1]`` (channel) or ``[ceil(N/bn), ceil(K/bk)]`` (block) -> ``ct_fp8_*``;
+* ``pack-quantized`` (4-bit int, group strategy): ``p.weight_packed`` i32 ``[N, K/8]``,
+  ``p.weight_scale`` ``[N, K/g]``, ``p.weight_shape`` i64 ``[2]``, optional ``p.weight_zero_point`` i32
+  ``[ceil(N/8), K/g]`` -> ``ct_int4_g*`` (output in the scale dtype).
+
+Activation parameters (``input_scale``, ``input_global_scale``, ...) and unquantized tensors are
+returned as plain arrays under their own names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qformats._checkpoint import CheckpointError, QuantizedTensor, SafetensorsSource, take_rest, unsupported
+from qformats._fmt_checkpoints import (
+    CT_FP8_BLOCK128,
+    CT_FP8_CHANNEL,
+    CT_FP8_TENSOR,
+    CT_INT4_G128,
+    CT_INT4_G128_ASYM,
+    CT_MXFP4,
+    CT_NVFP4,
+)
+from qformats._fmt_int4 import Int4Scale
+from qformats._nvfp4 import NVFP4Scale
+
+FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "float-quantized", "pack-quantized")
+_ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _groups(qcfg: dict):
+    """``[(format, weights args)]`` for every config group."""
+    out = []
+    default = qcfg.get("format")
+    for name, g in (qcfg.get("config_groups") or {}).items():
+        fmt = g.get("format") or default
+        out.append((fmt, g.get("weights") or {}, name))
+    if not out:
+        raise CheckpointError("compressed-tensors quantization_config has no config_groups")
+    return out
+
+
+def read(source: SafetensorsSource, config: dict) -> dict:
+    qcfg = config["quantization_config"]
+    groups = _groups(qcfg)
+    for fmt, _, gname in groups:
+        if fmt not in FORMATS:
+            raise unsupported(
+                f"compressed-tensors format {fmt!r} (config group {gname!r}) is not supported; "
+                f"supported compressed-tensors formats: {', '.join(FORMATS)}."
+            )
+    status = qcfg.get("quantization_status")
+    if status not in (None, "compressed"):
+        raise unsupported(f"compressed-tensors quantization_status={status!r}: only 'compressed' checkpoints are read.")
+    formats = {f for f, _, _ in groups}
+    out: dict = {}
+    used: set = set()
+    names = source.names()
+    for n in names:
+        if n.endswith(".weight_packed"):
+            base = n[: -len("_packed")]
+            if source.dtype(n) == "I32":
+                out[base] = _int4(source, base, groups, used)
+            elif "nvfp4-pack-quantized" in formats and base + "_global_scale" in source:
+                out[base] = _nvfp4(source, base, used)
+            elif "mxfp4-pack-quantized" in formats:
+                out[base] = _mxfp4(source, base, used)
+            else:
+                raise unsupported(f"{n}: packed weight ({source.dtype(n)}) does not fit the config's formats {formats}")
+        elif n.endswith(".weight") and source.dtype(n) == "F8_E4M3" and n + "_scale" in source:
+            out[n] = _fp8(source, n, groups, config, used)
+    return take_rest(source, used, out)
+
+
+def _take(source, used, name):
+    if name not in source:
+        raise CheckpointError(f"compressed-tensors checkpoint: expected tensor {name!r} is missing")
+    used.add(name)
+    return source.read(name)
+
+
+def _nvfp4(source, base, used):
+    data = _take(source, used, base + "_packed")
+    block = _take(source, used, base + "_scale")
+    g = _take(source, used, base + "_global_scale").astype(np.float32)
+    if g.size != 1:
+        raise CheckpointError(f"{base}_global_scale has shape {g.shape}; expected one value")
+    fmt = CT_NVFP4
+    _check_shape(fmt, base, data, block)
+    return QuantizedTensor(fmt, data, NVFP4Scale(block, g.reshape(())))
+
+
+def _mxfp4(source, base, used):
+    data = _take(source, used, base + "_packed")
+    scale = _take(source, used, base + "_scale")
+    if scale.dtype != np.uint8:
+        raise CheckpointError(f"{base}_scale has dtype {scale.dtype}; MXFP4 expects uint8 E8M0 bytes")
+    fmt = CT_MXFP4
+    _check_shape(fmt, base, data, scale)
+    return QuantizedTensor(fmt, data, scale)
+
+
+def _check_shape(fmt, base, data, scale):
+    shape = fmt.value_shape(data.shape)
+    want = tuple(fmt.scale_shape(shape))
+    got = tuple(np.shape(scale))
+    if want != got:
+        raise CheckpointError(f"{base}: scale shape {got} does not fit {fmt.name} for logical shape {shape} ({want})")
+
+
+def _fp8(source, name, groups, config, used):
+    data = _take(source, used, name)
+    scale = _take(source, used, name + "_scale")
+    sdt = _ST_NAMES.get(source.dtype(name + "_scale"))
+    if sdt is None:
+        raise CheckpointError(f"{name}_scale has dtype {source.dtype(name + '_scale')}; expected BF16, F16 or F32")
+    strategies = {
+        (w.get("strategy"), tuple(w.get("block_structure") or ())) for f, w, _ in groups if f == "float-quantized"
+    }
+    if scale.size == 1:
+        fmt = CT_FP8_TENSOR.replace(scale_dtype=sdt)
+        return QuantizedTensor(fmt, data, scale.reshape(()))
+    if scale.shape == (*data.shape[:-1], 1):
+        fmt = CT_FP8_CHANNEL.replace(scale_dtype=sdt)
+        return QuantizedTensor(fmt, data, scale)
+    for strategy, blk in strategies:
+        if strategy == "block" and len(blk) == 2:
+            fmt = CT_FP8_BLOCK128.replace(block=tuple(int(b) for b in blk), scale_dtype=sdt)
+            if fmt.block != (128, 128):
+                fmt = fmt.replace(name=f"ct_fp8_block{fmt.block[0]}x{fmt.block[1]}")
+            if fmt.scale_shape(data.shape) == scale.shape:
+                return QuantizedTensor(fmt, data, scale)
+    raise unsupported(
+        f"{name}: FP8 weight {data.shape} with scale {scale.shape} fits no float-quantized strategy of the "
+        f"config ({sorted(strategies)}); supported: tensor [1], channel [N, 1], block [ceil(N/bn), ceil(K/bk)]."
+    )
+
+
+def _int4(source, base, groups, used):
+    data = _take(source, used, base + "_packed")
+    scale = _take(source, used, base + "_scale")
+    shape = tuple(int(s) for s in _take(source, used, base + "_shape")) if base + "_shape" in source else None
+    args = [w for f, w, _ in groups if f == "pack-quantized"]
+    if not args:
+        raise unsupported(f"{base}_packed is int32-packed but no config group has format 'pack-quantized'")
+    w = args[0]
+    if w.get("num_bits") != 4 or w.get("type", "int") != "int" or w.get("strategy") != "group":
+        raise unsupported(
+            f"{base}: pack-quantized with num_bits={w.get('num_bits')}, type={w.get('type')}, "
+            f"strategy={w.get('strategy')}; only 4-bit int with strategy 'group' is supported."
+        )
+    k = data.shape[-1] * 8
+    if shape is not None and shape[-1] != k:
+        raise unsupported(
+            f"{base}: logical K={shape[-1]} is not a multiple of 8 (ragged int4 packing is not supported)"
+        )
+    sdt = _ST_NAMES.get(source.dtype(base + "_scale"))
+    gs = int(w.get("group_size") or 0)
+    zp_name = base + "_zero_point"
+    symmetric = zp_name not in source
+    fmt = (CT_INT4_G128 if symmetric else CT_INT4_G128_ASYM).replace(scale_dtype=sdt)
+    if gs != 128:
+        fmt = fmt.replace(name=f"ct_int4_g{gs}" + ("" if symmetric else "_asym"), group_size=gs)
+    _check_shape(fmt, base, data, scale)
+    if symmetric:
+        return QuantizedTensor(fmt, data, scale)
+    zp = _take(source, used, zp_name)
+    want = (-(-data.shape[0] // 8), scale.shape[-1])
+    if zp.shape != want:
+        raise CheckpointError(f"{zp_name} has shape {zp.shape}; expected {want} (int4 packed along N)")
+    return QuantizedTensor(fmt, data, Int4Scale(scale, zp))
