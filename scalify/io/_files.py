@@ -141,7 +141,7 @@ def _to_jax(x: np.ndarray):
     """A NumPy leaf as a jax.Array, unless that would change its bits (64-bit types without x64)."""
     if x.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
         return x
-    return jnp.asarray(x)
+    return jax.device_put(x)  # no second copy where the platform can alias the host buffer
 
 
 def _decode_scale(d, tensors, where):
@@ -165,7 +165,7 @@ def _decode_scale(d, tensors, where):
 def _take(tensors, name, where):
     if name not in tensors:
         raise ScalifyIOError(f"{where}: the metadata names tensor {name!r}, which the file does not hold")
-    return _to_jax(tensors[name])
+    return tensors[name]
 
 
 def _decode(d, tensors, where):
@@ -245,7 +245,8 @@ def load(path):
         raise ScalifyIOError(
             f"{path}: the {TREE_KEY!r} metadata is not valid JSON ({e}); the file is corrupted"
         ) from None
-    tensors = dict(_safetensors.iter_tensors(path))
+    # Converted one at a time, so the host copy of only one tensor is alive besides the result.
+    tensors = {name: _to_jax(arr) for name, arr in _safetensors.iter_tensors(path)}
     try:
         return _decode(desc, tensors, str(path))
     except (qf.UnknownFormatError, _serialization.FormatSerializationError):
