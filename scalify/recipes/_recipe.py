@@ -96,11 +96,11 @@ class Recipe:
 
     def replace(self, **changes) -> Recipe:
         """A copy with some fields changed (roles take formats, names or ``None``)."""
-        try:
-            return attrs.evolve(self, **changes)
-        except TypeError as e:
+        unknown = sorted(set(changes) - set(attrs.fields_dict(Recipe)))
+        if unknown:
             fields = ", ".join(attrs.fields_dict(Recipe))
-            raise TypeError(f"Recipe has no field among {sorted(changes)}; its fields are: {fields}") from e
+            raise TypeError(f"Recipe has no field {unknown}; its fields are: {fields}")
+        return attrs.evolve(self, **changes)
 
     def describe(self) -> dict:
         """One row of the recipes table: each role's format name (or ``"high"``) and the transforms."""
