@@ -23,6 +23,7 @@ from qformats._builtins import (
     NVFP4,
 )
 from qformats._checkpoint import CheckpointError, QuantizedTensor, read_checkpoint
+from qformats._ckpt_writers import write_compressed_tensors, write_gguf
 from qformats._compare import compare
 from qformats._elements import FloatElement, IntElement
 from qformats._float8_training import ReciprocalScaleFloat8
@@ -69,6 +70,8 @@ __all__ = [
     "CheckpointError",
     "QuantizedTensor",
     "read_checkpoint",
+    "write_compressed_tensors",
+    "write_gguf",
     "Tiles",
     "UnknownFormatError",
     "block_amax",

@@ -152,7 +152,13 @@ def _int4(source, base, groups, used):
     args = [w for f, w, _ in groups if f == "pack-quantized"]
     if not args:
         raise unsupported(f"{base}_packed is int32-packed but no config group has format 'pack-quantized'")
-    w = args[0]
+    symmetric = base + "_zero_point" not in source
+
+    def fits(w):
+        gs = int(w.get("group_size") or 0)
+        return gs > 0 and gs * scale.shape[-1] == data.shape[-1] * 8 and bool(w.get("symmetric", True)) == symmetric
+
+    w = next((w for w in args if fits(w)), args[0])
     if w.get("num_bits") != 4 or w.get("type", "int") != "int" or w.get("strategy") != "group":
         raise unsupported(
             f"{base}: pack-quantized with num_bits={w.get('num_bits')}, type={w.get('type')}, "
@@ -166,7 +172,6 @@ def _int4(source, base, groups, used):
     sdt = _ST_NAMES.get(source.dtype(base + "_scale"))
     gs = int(w.get("group_size") or 0)
     zp_name = base + "_zero_point"
-    symmetric = zp_name not in source
     fmt = (CT_INT4_G128 if symmetric else CT_INT4_G128_ASYM).replace(scale_dtype=sdt)
     if gs != 128:
         fmt = fmt.replace(name=f"ct_int4_g{gs}" + ("" if symmetric else "_asym"), group_size=gs)
