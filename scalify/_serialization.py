@@ -267,16 +267,19 @@ def _sa_from_state(target: ScaledArray, state):
 def _node_to_state(x):
     from flax import serialization
 
-    children, _ = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
-    return {str(i): serialization.to_state_dict(c) for i, c in enumerate(children)}
+    return {k: serialization.to_state_dict(v) for k, v in scale_type_fields(x).items()}
 
 
 def _node_from_state(target, state):
     from flax import serialization
 
-    children, treedef = jax.tree_util.tree_flatten(target, is_leaf=lambda y: y is not target)
-    new = [serialization.from_state_dict(c, state[str(i)], name=str(i)) for i, c in enumerate(children)]
-    return jax.tree_util.tree_unflatten(treedef, new)
+    fields = scale_type_fields(target)
+    missing = set(fields) - set(state)
+    if missing:
+        raise ValueError(
+            f"a {type(target).__name__} state dict is missing fields {sorted(missing)} (got {sorted(state)})"
+        )
+    return type(target)(**{k: serialization.from_state_dict(v, state[k], name=k) for k, v in fields.items()})
 
 
 def _register_flax_types() -> None:

@@ -202,3 +202,29 @@ def test_registered_namedtuple_scale_through_export_and_flax():
     assert_same_tree(got, sa)
     serialization = pytest.importorskip("flax.serialization", reason="flax is not installed")
     assert_same_tree(serialization.from_bytes(sa, serialization.to_bytes(sa)), sa)
+
+
+def test_registered_attrs_scale_through_export_flax_and_files(tmp_path):
+    """An attrs scale class registered as a pytree (all fields children) and with register_scale_type."""
+
+    @attrs.frozen
+    class GridAndGlobal:
+        grid: jax.Array
+        glob: jax.Array
+
+    jax.tree_util.register_dataclass(GridAndGlobal, data_fields=["grid", "glob"], meta_fields=[])
+    scalify.io.register_scale_type(GridAndGlobal, "tests.GridAndGlobal")
+    sa = scalify.ScaledArray(
+        jnp.ones((2, 4), jnp.bfloat16), GridAndGlobal(jnp.full((2, 1), 0.5, jnp.float32), jnp.float32(3.0))
+    )
+    scalify.io.save(tmp_path / "a.safetensors", {"x": sa})
+    back = scalify.io.load(tmp_path / "a.safetensors")["x"]
+    assert type(back.scale) is GridAndGlobal
+    assert_same_tree(back, sa)
+    serialization = pytest.importorskip("flax.serialization", reason="flax is not installed")
+    assert set(serialization.to_state_dict(sa)["scale"]) == {"grid", "glob"}
+    assert_same_tree(serialization.from_bytes(sa, serialization.to_bytes(sa)), sa)
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs the flatbuffers package")
+    got, _ = _export_round_trip(lambda s: s, sa)
+    assert type(got.scale) is GridAndGlobal
+    assert_same_tree(got, sa)

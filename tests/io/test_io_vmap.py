@@ -153,3 +153,9 @@ def test_plain_jax_vmap_in_axes_0_fails_on_a_per_tensor_scale():
     sx = scalify.as_scaled_array(sample((3, 64)), fmt=qf.FP8_E4M3)
     with pytest.raises(ValueError, match="vmap was requested to map its argument along axis 0"):
         jax.vmap(scalify.scalify(lambda a: a * 2.0))(sx)
+
+
+def test_vmap_keyword_arguments_map_axis_0():
+    sx = scalify.as_scaled_array(sample((3, 64)), fmt=qf.FP8_E4M3)
+    out = scalify.vmap(scalify.scalify(lambda a, *, k: a * k))(sx, k=jnp.arange(3, dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(sx) * np.arange(3, dtype=np.float32)[:, None])
