@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from scalify import recipes
 from scalify.train import _loop
 
 
@@ -21,6 +22,12 @@ def _parser():
         default="fp32",
         help="fp32, bf16, fp16 (plain), fp16-scalify, or a registered qformats format: "
         + ", ".join(_loop.list_modes()[4:]),
+    )
+    ap.add_argument(
+        "--recipe",
+        default=None,
+        help="train the unchanged float32 model under a scalify.recipes recipe instead of a format: "
+        + ", ".join(sorted(recipes.BUILTINS)),
     )
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: 300 mlp, 200 transformer)")
     ap.add_argument("--seed", type=int, default=0)
@@ -80,6 +87,14 @@ def main(argv=None) -> int:
             print("error: --plot needs matplotlib (`pip install matplotlib`).", file=sys.stderr)
             return 2
     formats = _loop.list_modes() if args.sweep else [args.format]
+    if args.recipe is not None:
+        if args.sweep:
+            raise SystemExit("--recipe trains one recipe; leave out --sweep (or loop over recipes yourself).")
+        try:
+            recipes.get_recipe(args.recipe)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        formats = [_loop.recipe_mode(args.recipe)]
     results, failures = [], []
     try:
         for f in formats:

@@ -50,7 +50,7 @@ import optax
 
 import qformats as qf
 import scalify
-from scalify import ops
+from scalify import ops, recipes
 from scalify.train import _data, _models
 
 PLAIN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -74,10 +74,26 @@ class Mode:
     numerics: _models.Numerics
     use_scalify: bool
     mechanism: str
+    recipe: object = None  # a scalify.recipes.Recipe applied to the unchanged float32 loss
+
+
+RECIPE_PREFIX = "recipe:"
+
+
+def recipe_mode(recipe_name: str) -> str:
+    """The mode name of ``--recipe NAME``."""
+    return RECIPE_PREFIX + recipe_name
 
 
 def get_mode(name: str) -> Mode:
     """The :class:`Mode` of a ``--format`` value (raises ``ValueError`` naming the valid values)."""
+    if name.startswith(RECIPE_PREFIX):
+        recipe = recipes.get_recipe(name[len(RECIPE_PREFIX) :])
+        mech = (
+            f"recipes.apply(loss, {recipe.name}) on the unchanged float32 model: every matmul's forward, "
+            f"input-gradient and weight-gradient GEMMs quantized as the recipe says"
+        )
+        return Mode(name, _models.Numerics(dtype=jnp.float32), False, mech, recipe)
     if name in PLAIN_DTYPES:
         dt = PLAIN_DTYPES[name]
         return Mode(name, _models.Numerics(dtype=dt), False, f"plain jit, everything in {jnp.dtype(dt).name}")
@@ -238,6 +254,9 @@ def _compiled(model, fmt, hp_frozen):
             return _models.gpt_apply(p, x, n, cfg)
 
     opt = _make_optimizer(hp["optimizer"], hp["lr"], fp32_update=fmt == SCALIFY_FP16)
+
+    if mode.recipe is not None:
+        apply = recipes.apply(apply, mode.recipe)
 
     def loss_fn(p, x, y):
         return _cross_entropy(apply(p, x, num), y, n_classes)
