@@ -182,7 +182,10 @@ def register_scale_type(cls, serialized_name: str | None = None) -> None:
     if _SCALE_TYPES.get(name, cls) is not cls:
         raise ValueError(f"scale type name {name!r} is already registered for {_SCALE_TYPES[name]!r}")
     if _SCALE_NAMES.get(cls, name) != name:
-        return  # already registered under another name
+        raise ValueError(
+            f"{cls.__name__} is already registered as {_SCALE_NAMES[cls]!r}; files and exported artifacts store "
+            f"that name, so it cannot change. Keep {_SCALE_NAMES[cls]!r}."
+        )
     if _is_namedtuple_type(cls):
         if cls not in _EXPORT_REGISTERED:
             jax.export.register_namedtuple_serialization(cls, serialized_name=name)

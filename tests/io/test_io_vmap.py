@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import BUILTIN_NAMES, bits, sample
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import qformats as qf
@@ -93,6 +93,7 @@ def test_vmap_identity_moves_axes_exactly(name):
 @given(st.sampled_from(["fp8_e4m3", "mxfp4", "int8_per_channel"]), st.integers(-3, 1), st.integers(-3, 2))
 def test_vmap_any_axes_property(name, in_axis, out_axis):
     """Property: for any non-block in axis and any out axis, identity under vmap is a moveaxis of the value."""
+    assume(not (name == "mxfp4" and in_axis % 3 == 2))  # its block axis cannot be mapped (test_vmap_errors)
     fmt = qf.get_format(name)
     sx = scalify.as_scaled_array(sample((4, 2, 64)), fmt=fmt)
     out = scalify.vmap(lambda a: a, in_axes=in_axis, out_axes=out_axis)(sx)
