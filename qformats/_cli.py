@@ -197,7 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
             "(reported on stderr; the rest is still analysed)."
         ),
     )
-    p.add_argument("paths", nargs="*", metavar="PATH", help=".npy, .npz or .safetensors files")
+    p.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help=".npy, .npz or .safetensors files, .gguf files or checkpoint folders (quantized weights as their values)",
+    )
     p.add_argument("--formats", action="append", metavar="A,B,...", help="formats to compare (default: all registered)")
     p.add_argument(
         "--axis", type=int, default=None, help="block / channel axis for formats that have one (default: -1)"

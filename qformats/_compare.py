@@ -116,6 +116,18 @@ def _read_safetensors(path: Path):
             yield key, (lambda key=key: _safetensors.read_tensor(path, key))
 
 
+def _read_checkpoint_tensors(path: Path):
+    """Yield ``(name, thunk)`` for each tensor of a checkpoint (see :func:`qformats.read_checkpoint`);
+    a quantized tensor's thunk gives its float32 values."""
+    from qformats._checkpoint import QuantizedTensor, read_checkpoint
+
+    for key, t in read_checkpoint(path).items():
+        if isinstance(t, QuantizedTensor):
+            yield key, (lambda t=t: np.asarray(t.fmt.dequantize(t.data, t.scale, jnp.float32)))
+        else:
+            yield key, (lambda t=t: t)
+
+
 def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
@@ -134,8 +146,17 @@ def load_tensors(paths: Iterable[str | Path], names: Sequence[str] | None = None
         if not p.exists():
             problems.append(f"{p}: no such file. Check the path (it is relative to {Path.cwd()}).")
             continue
-        if p.is_dir():
-            problems.append(f"{p}: is a directory; pass .npy, .npz or .safetensors files.")
+        if p.is_dir() or p.suffix.lower() == ".gguf":
+            # a published checkpoint (folder with config.json / hf_quant_config.json, or .gguf):
+            # quantized weights are analysed as the values the checkpoint holds (dequantized)
+            try:
+                for key, thunk in _read_checkpoint_tensors(p):
+                    found.append((p, key, thunk))
+            except Exception as e:
+                problems.append(
+                    f"{p}: cannot read it as a checkpoint folder or .gguf file: {_reason(e)}. "
+                    f"Pass a checkpoint folder, a .gguf file, or .npy/.npz/.safetensors files."
+                )
             continue
         suffix = p.suffix.lower()
         try:
