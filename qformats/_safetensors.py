@@ -16,6 +16,7 @@ Public (within the project): :func:`read_header`, :func:`read_metadata`, :func:`
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -83,13 +84,33 @@ def read_header(path) -> tuple[dict, int]:
     file, the buffer fully indexed) so that later reads cannot go out of bounds.
 
     Raises ``FileNotFoundError`` for a missing path, ``IsADirectoryError`` for a directory and
-    :class:`SafetensorsError` for anything malformed.
+    :class:`SafetensorsError` for anything malformed. The returned dict is the caller's to change.
+    Parsed headers are cached per (file, size, mtime), so reading a file tensor by tensor parses its
+    header once.
     """
+    header, base = _header(path)
+    return {k: dict(v) for k, v in header.items()}, base
+
+
+def _header(path) -> tuple[dict, int]:
+    """The cached, shared (do not modify) parsed header of ``path``."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
     if path.is_dir():
         raise IsADirectoryError(f"{path}: is a directory, not a .safetensors file")
+    return _cached_header(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, str(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_header(resolved: str, inode: int, size: int, mtime_ns: int, shown: str) -> tuple[dict, int]:
+    return _parse_header(Path(shown))
+
+
+def _parse_header(path: Path) -> tuple[dict, int]:
+    """Uncached :func:`read_header` (the path exists and is not a directory)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -175,7 +196,7 @@ def read_tensor(path, name: str, *, mmap: bool = False) -> np.ndarray:
     Reads only that tensor's bytes. ``mmap=True`` returns a read-only ``np.memmap`` instead (no copy;
     pages load on access). ``KeyError`` names the tensors the file holds if ``name`` is absent.
     """
-    header, base = read_header(path)
+    header, base = _header(path)
     if name == METADATA_KEY or name not in header:
         names = [k for k in header if k != METADATA_KEY]
         raise KeyError(f"{path}: no tensor named {name!r}; the file holds: {', '.join(names) or 'none'}")
@@ -188,7 +209,7 @@ def iter_tensors(path, *, mmap: bool = False) -> Iterator[tuple[str, np.ndarray]
 
     Only the tensor being yielded is in memory (the header is validated first).
     """
-    header, base = read_header(path)
+    header, base = _header(path)
     entries = sorted(
         ((k, v) for k, v in header.items() if k != METADATA_KEY), key=lambda kv: int(kv[1]["data_offsets"][0])
     )
