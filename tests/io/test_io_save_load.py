@@ -179,3 +179,16 @@ def test_load_other_files_without_read_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(scalify.io.ScalifyIOError, match=r"plain\.safetensors: has no 'scalify\.io\.tree'") as e:
         scalify.io.load(plain)
     assert "read_checkpoint" in str(e.value) and "scalify.io.save" in str(e.value)
+
+
+def test_load_plain_safetensors_through_the_real_read_checkpoint(tmp_path):
+    """Integration with qformats.read_checkpoint (when this qformats has it): an unquantized file."""
+    if not hasattr(qf, "read_checkpoint"):
+        pytest.skip("this qformats has no read_checkpoint (published-checkpoint readers not installed)")
+    tensors = {"a": np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3), "b": np.ones(4, np.int32)}
+    sf.write(tmp_path / "model.safetensors", tensors)
+    out = scalify.io.load(tmp_path / "model.safetensors")
+    assert set(out) == set(tensors)
+    for k, v in tensors.items():
+        assert isinstance(out[k], jax.Array) and out[k].dtype == v.dtype
+        np.testing.assert_array_equal(bits(out[k]), bits(v))
