@@ -64,8 +64,9 @@ class QuantizedTensor(NamedTuple):
 class SafetensorsSource:
     """The tensors of one or more ``.safetensors`` files, read one at a time on request."""
 
-    def __init__(self, files):
+    def __init__(self, files, mmap: bool = False):
         self.files = [Path(f) for f in files]
+        self.mmap = mmap
         self.where: dict[str, Path] = {}
         self.info: dict[str, dict] = {}
         for f in self.files:
@@ -88,7 +89,7 @@ class SafetensorsSource:
         return tuple(self.info[name]["shape"])
 
     def read(self, name) -> np.ndarray:
-        return _safetensors.read_tensor(self.where[name], name)
+        return _safetensors.read_tensor(self.where[name], name, mmap=self.mmap)
 
 
 def _load_json(path: Path):
@@ -116,13 +117,17 @@ def model_dtype(config: dict, default=None):
     return default
 
 
-def read_checkpoint(path) -> dict:
+def read_checkpoint(path, *, mmap: bool = False) -> dict:
     """Read a quantized checkpoint: ``{logical name: QuantizedTensor | np.ndarray}``.
 
     ``path`` is a folder (its ``config.json`` / ``hf_quant_config.json`` name the scheme; the tensors
     are in ``model.safetensors`` or ``*.safetensors``), a ``.safetensors`` file (the scheme is read
     from the JSON files beside it) or a ``.gguf`` file. Quantized tensors stay quantized; an unknown
     layout or scheme raises :class:`CheckpointError` naming it and listing the supported ones.
+
+    ``mmap=True`` returns the tensors of ``.safetensors`` files as read-only ``np.memmap`` views of
+    the file (no copy; pages load on first access). GGUF tensors are always copied, since their
+    block scales are split from their codes.
     """
     path = Path(path)
     if not path.exists():
@@ -139,7 +144,7 @@ def read_checkpoint(path) -> dict:
         raise unsupported(f"{path}: not a folder, a .safetensors file or a .gguf file")
     config = _load_json(folder / "config.json") if (folder / "config.json").exists() else {}
     hfq = _load_json(folder / "hf_quant_config.json") if (folder / "hf_quant_config.json").exists() else None
-    source = SafetensorsSource(files)
+    source = SafetensorsSource(files, mmap=mmap)
     qcfg = config.get("quantization_config")
     method = (qcfg or {}).get("quant_method")
     if hfq is not None and method in (None, "modelopt"):

@@ -190,3 +190,21 @@ def test_gguf_generated(ckpt_root, tmp_path, seed, rows, cols):
         [sys.executable, script, str(tmp_path), str(seed), str(rows), str(cols)], check=True, capture_output=True
     )
     _check_gguf(str(tmp_path))
+
+
+@pytest.mark.parametrize("folder", ["nvfp4_bfloat16", "w4a16_asym_bfloat16", "gptoss_mxfp4"])
+def test_mmap_gives_the_same_tensors(ckpt_root, folder):
+    import jax
+
+    def leaves(v):
+        return jax.tree.leaves((v.data, v.scale)) if isinstance(v, qf.QuantizedTensor) else [v]
+
+    d = os.path.join(ckpt_root, folder)
+    a, b = qf.read_checkpoint(d), qf.read_checkpoint(d, mmap=True)
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(b[k], qf.QuantizedTensor):
+            data = b[k].data
+            assert isinstance(data, np.memmap) or isinstance(data.base, np.memmap)  # no copy
+        for x, y in zip(leaves(a[k]), leaves(b[k]), strict=True):
+            np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
