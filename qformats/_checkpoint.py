@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,7 +41,11 @@ def unsupported(what: str) -> CheckpointError:
 
 
 class QuantizedTensor(NamedTuple):
-    """One quantized tensor: ``fmt.dequantize(data, scale, dtype)`` gives its values."""
+    """One quantized tensor: ``fmt.dequantize(data, scale, dtype)`` gives its values.
+
+    A pytree whose children are ``data`` and ``scale`` (the format is static metadata), so it can be
+    passed to ``jax.jit``-compiled functions and ``jax.device_put``.
+    """
 
     fmt: Any
     data: Any
@@ -59,6 +64,13 @@ class QuantizedTensor(NamedTuple):
     def dequantize(self, dtype=None):
         """The values, in ``dtype`` (default: the producer's output dtype, :attr:`dtype`)."""
         return self.fmt.dequantize(self.data, self.scale, self.dtype if dtype is None else dtype)
+
+
+# A pytree with children (data, scale) and the format as static metadata, so that a checkpoint dict
+# can be passed to jit-compiled functions (the format becomes part of the cache key).
+jax.tree_util.register_pytree_node(
+    QuantizedTensor, lambda q: ((q.data, q.scale), q.fmt), lambda fmt, children: QuantizedTensor(fmt, *children)
+)
 
 
 class SafetensorsSource:

@@ -208,3 +208,14 @@ def test_mmap_gives_the_same_tensors(ckpt_root, folder):
             assert isinstance(data, np.memmap) or isinstance(data.base, np.memmap)  # no copy
         for x, y in zip(leaves(a[k]), leaves(b[k]), strict=True):
             np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+
+
+def test_quantized_tensor_is_a_pytree(ckpt_root):
+    import jax
+
+    qt = qf.read_checkpoint(os.path.join(ckpt_root, "nvfp4a16_bfloat16"))["proj.weight"]
+    assert len(jax.tree.leaves(qt)) == 3  # data, block scale, tensor scale; the format is static
+    got = jax.jit(lambda t: t.dequantize())(qt)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(qt.dequantize()).view(np.uint16))
+    moved = jax.device_put(qt)
+    assert isinstance(moved, qf.QuantizedTensor) and moved.fmt == qt.fmt
