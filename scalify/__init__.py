@@ -18,6 +18,7 @@ from scalify import (
     io,
     lax,
     ops,
+    recipes,
     tree,
 )
 from scalify._config import Pow2RoundMode, ScalifyConfig, get_config, pow2_round
@@ -50,6 +51,7 @@ __all__ = [
     "lax",
     "ops",
     "pow2_round",
+    "recipes",
     "register_rule",
     "scaled_array",
     "scaled_sharding",

@@ -40,7 +40,8 @@ def test_unknown_format_lists_known_names():
 
 def test_bad_scale_mode_and_field():
     with pytest.raises(
-        ValueError, match=r"'nearest' is not an MX scale mode; choose one of \('floor', 'ceil', 'even', 'rceil'\)"
+        ValueError,
+        match=r"'nearest' is not an MX scale mode; choose one of \('floor', 'ceil', 'even', 'rceil', 'rceil_log2'\)",
     ):
         qf.MXFP8.replace(scale_mode="nearest")
     with pytest.raises(ValueError, match="per-tensor scale mode"):

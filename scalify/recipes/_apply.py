@@ -51,7 +51,7 @@ def policy(recipe: Recipe) -> dict:
     return out
 
 
-def apply(fn: Callable, recipe) -> Callable:
+def apply(fn: Callable, recipe: Recipe | str) -> Callable:
     """``fn`` with every contraction, and its gradients under ``jax.grad``, run under ``recipe``.
 
     Args:

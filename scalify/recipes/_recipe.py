@@ -102,12 +102,31 @@ class Recipe:
             raise TypeError(f"Recipe has no field {unknown}; its fields are: {fields}")
         return attrs.evolve(self, **changes)
 
+    @staticmethod
+    def _label(fmt) -> str:
+        """A format's registered name plus the fields this recipe changes (the axis is the library's)."""
+        if fmt is None:
+            return "high"
+        try:
+            base = qf.get_format(fmt.name)
+        except qf.UnknownFormatError:
+            return fmt.name
+        if type(base) is not type(fmt):
+            return fmt.name
+        changed = [
+            f"{f.name}={getattr(fmt, f.name)}"
+            for f in attrs.fields(type(fmt))
+            if f.name not in ("axis", "tile_axis") and getattr(fmt, f.name) != getattr(base, f.name)
+        ]
+        if isinstance(fmt.layout, qf.Tiles):
+            changed.append(f"{fmt.layout.size}x{fmt.layout.size} tiles")
+        return fmt.name + (f" ({', '.join(changed)})" if changed else "")
+
     def describe(self) -> dict:
         """One row of the recipes table: each role's format name (or ``"high"``) and the transforms."""
         row = {"recipe": self.name}
         for role in ROLES:
-            fmt = self.format_of(role)
-            row[role] = "high" if fmt is None else fmt.name
+            row[role] = self._label(self.format_of(role))
         row["stochastic rounding"] = ", ".join(sorted(self.stochastic_rounding)) or "-"
         h = self.wgrad_hadamard
         row["wgrad Hadamard"] = "-" if h is None else f"{h.size}x{h.size}"

@@ -331,3 +331,33 @@ def test_nvfp4_recipe_gradient_rounding_depends_on_the_seed():
     g1b = jax.grad(recipes.apply(_mlp_loss, recipes.NVFP4))(PARAMS, X)["w1"]
     np.testing.assert_array_equal(g1, g1b)  # deterministic for a given seed and data
     assert not np.array_equal(g1, g2)
+
+
+def test_float32_log2_rounding_matches_a_correctly_rounded_log2():
+    """``_bits.log2_f32`` rounds like float64 log2 rounded to float32, where floor/ceil can differ
+    from the exact exponent (just above or below a power of two)."""
+    from qformats import _bits
+
+    rng = np.random.default_rng(0)
+    p = np.ldexp(np.float32(1), rng.integers(-100, 100, 20000)).astype(np.float32)
+    x = np.concatenate(
+        [
+            np.exp(rng.uniform(-80, 80, 20000)).astype(np.float32),
+            np.nextafter(p, np.float32(np.inf)),
+            np.nextafter(p, np.float32(0)),
+            p,
+            (p * np.float32(1 + 2**-21)).astype(np.float32),
+        ]
+    )
+    ref = np.log2(x.astype(np.float64)).astype(np.float32)
+    got = np.asarray(jax.jit(_bits.log2_f32)(x))
+    np.testing.assert_array_equal(np.floor(got), np.floor(ref))
+    np.testing.assert_array_equal(np.ceil(got), np.ceil(ref))
+    # and the rounding matters: the exact exponent differs from it somewhere in this sample
+    assert np.any(np.ceil(ref) != np.asarray(_bits.ceil_log2(jnp.asarray(x))))
+
+
+def test_unlisted_formats_are_found_but_not_listed():
+    assert "fp8_e4m3_rowwise" not in qf.list_formats()
+    assert "fp8_e4m3_rowwise" in qf.list_formats(unlisted=True)
+    assert qf.get_format("fp8_e4m3_rowwise").layout == qf.AlongAxis(-1)

@@ -1,0 +1,86 @@
+"""Training recipes: a GPT block's forward + backward under ``scalify.recipes.apply``.
+
+The block (pre-norm, causal multi-head attention, GELU MLP) runs at d_model 1024, sequence 256,
+batch 8 (``QFORMATS_BENCH_SMALL=1``: d_model 128, sequence 64, batch 2), every recipe against the
+same jitted float32 step in the same process: ``track_step_ratio`` is the recipe step's median
+time over the plain step's (interleaved runs). Skipped while ``scalify.recipes`` is not importable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import SMALL, block, interleaved_ratio, make_data
+
+D_MODEL, SEQ, BATCH, HEADS = (128, 64, 2, 4) if SMALL else (1024, 256, 8, 16)
+
+
+def _recipes():
+    try:
+        from scalify import recipes
+    except ImportError:  # pragma: no cover
+        return {}
+    return recipes.BUILTINS
+
+
+RECIPE_NAMES = sorted(_recipes())
+
+
+def gpt_block_loss(p, x):
+    import jax
+    import jax.numpy as jnp
+
+    def norm(h):
+        mu = jnp.mean(h, axis=-1, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(jnp.mean((h - mu) ** 2, axis=-1, keepdims=True) + 1e-5)
+
+    b, t, d = x.shape
+    dh = d // HEADS
+    h = norm(x)
+    q, k, v = (jnp.reshape(h @ p[n], (b, t, HEADS, dh)) for n in ("wq", "wk", "wv"))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.float32(np.sqrt(dh))
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, np.float32(-1e9))
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, axis=-1), v).reshape(b, t, d)
+    x = x + o @ p["wo"]
+    x = x + jax.nn.gelu(norm(x) @ p["w1"]) @ p["w2"]
+    return jnp.mean(x**2)
+
+
+def _params():
+    import jax.numpy as jnp
+
+    shapes = {"wq": (D_MODEL, D_MODEL), "wk": (D_MODEL, D_MODEL), "wv": (D_MODEL, D_MODEL), "wo": (D_MODEL, D_MODEL)}
+    shapes |= {"w1": (D_MODEL, 4 * D_MODEL), "w2": (4 * D_MODEL, D_MODEL)}
+    return {k: jnp.asarray(make_data("gaussian", s, seed=i) / np.sqrt(s[0])) for i, (k, s) in enumerate(shapes.items())}
+
+
+class GPTBlockRecipeStep:
+    params = (RECIPE_NAMES,)
+    param_names = ("recipe",)
+    timeout = 600
+
+    def setup(self, name):
+        import jax
+        import jax.numpy as jnp
+
+        from scalify import recipes
+
+        recipe = _recipes().get(name)
+        if recipe is None:
+            raise NotImplementedError("scalify.recipes is not importable")
+        self.args = (_params(), jnp.asarray(make_data("gaussian", (BATCH, SEQ, D_MODEL), seed=99)))
+        self.plain = jax.jit(jax.value_and_grad(gpt_block_loss))
+        self.recipe = jax.jit(jax.value_and_grad(recipes.apply(gpt_block_loss, recipe)))
+        block(self.plain(*self.args))
+        block(self.recipe(*self.args))
+
+    def time_plain(self, name):
+        block(self.plain(*self.args))
+
+    def time_recipe(self, name):
+        block(self.recipe(*self.args))
+
+    def track_step_ratio(self, name):
+        return interleaved_ratio(self.recipe, self.args, self.plain, self.args, 5)
+
+    track_step_ratio.unit = "ratio"
