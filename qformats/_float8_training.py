@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _bits, _elements, _layout
+from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
 
@@ -78,7 +79,8 @@ class ReciprocalScaleFloat8(ScaledFormat):
         """``decode(data) / r``: a division, as torchao applies its scale."""
         elems = self.decode(data)
         block = self.block_shape(elems.shape)
-        return (elems / _layout.expand(jnp.asarray(scale, jnp.float32), elems.shape, block)).astype(dtype)
+        # A true division: XLA would turn a division by a broadcast scale into a multiply.
+        return div(elems, _layout.expand(jnp.asarray(scale, jnp.float32), elems.shape, block)).astype(dtype)
 
 
 FP8_E4M3_TENSORWISE = ReciprocalScaleFloat8("fp8_e4m3_tensorwise", _elements.FLOAT8_E4M3FN)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import DICT_FMT, assert_same_tree, bits, sample
+from io_helpers import DICT_FMT, assert_same_tree, bits, sample
 
 import qformats as qf
 import scalify

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DICT_FMT, assert_same_tree, bits, sample
+from io_helpers import DICT_FMT, assert_same_tree, bits, sample
 
 import qformats as qf
 import scalify

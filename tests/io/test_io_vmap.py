@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BUILTIN_NAMES, bits, sample
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from io_helpers import BUILTIN_NAMES, bits, sample
 
 import qformats as qf
 import scalify

@@ -361,3 +361,14 @@ def test_unlisted_formats_are_found_but_not_listed():
     assert "fp8_e4m3_rowwise" not in qf.list_formats()
     assert "fp8_e4m3_rowwise" in qf.list_formats(unlisted=True)
     assert qf.get_format("fp8_e4m3_rowwise").layout == qf.AlongAxis(-1)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3_tensorwise", "fp8_e5m2_tensorwise", "fp8_e4m3_rowwise"])
+def test_reciprocal_scale_float8_dequantizes_by_division(name):
+    """torchao divides by its stored scale; XLA must not turn that into a multiply (it would for a
+    broadcast scale, changing about half the values in the last bit)."""
+    fmt = qf.get_format(name)
+    x = _data((128, 256), 18, 3.0)
+    data, scale = jax.jit(fmt.quantize)(x)
+    ref = np.asarray(data).astype(np.float32) / np.asarray(scale)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fmt.dequantize)(data, scale)), ref)
