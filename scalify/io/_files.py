@@ -144,24 +144,6 @@ def _to_jax(x: np.ndarray):
     return jax.device_put(x)  # no second copy where the platform can alias the host buffer
 
 
-def _decode_scale(d, tensors, where):
-    if d is None:
-        return None
-    if "node" in d:
-        cls = _serialization.scale_type_by_name(d["node"], where=where)
-        return cls(**{k: _decode_scale(c, tensors, where) for k, c in d["fields"].items()})
-    kind = next(iter(d))
-    v = d[kind]
-    if kind == "array":
-        return _take(tensors, v, where)
-    if kind == "dict":
-        return {k: _decode_scale(c, tensors, where) for k, c in v.items()}
-    if kind in ("list", "tuple"):
-        items = [_decode_scale(c, tensors, where) for c in v]
-        return items if kind == "list" else tuple(items)
-    raise ScalifyIOError(f"{where}: unknown scale node kind {kind!r} in the scalify metadata")
-
-
 def _take(tensors, name, where):
     if name not in tensors:
         raise ScalifyIOError(f"{where}: the metadata names tensor {name!r}, which the file does not hold")
@@ -173,6 +155,9 @@ def _decode(d, tensors, where):
         return None
     if not isinstance(d, dict) or not d:
         raise ScalifyIOError(f"{where}: malformed scalify tree description {d!r}")
+    if "node" in d:  # a registered scale class (NamedTuple, attrs, dataclass)
+        cls = _serialization.scale_type_by_name(d["node"], where=where)
+        return cls(**{k: _decode(c, tensors, where) for k, c in d["fields"].items()})
     kind = next(iter(d))
     v = d[kind]
     if kind == "array":
@@ -185,7 +170,7 @@ def _decode(d, tensors, where):
     if kind == "scaled":
         fmt = _serialization.format_from_spec(v["fmt"], where=where)
         data = _take(tensors, v["data"], where)
-        scale = _decode_scale(v["scale"], tensors, where)
+        scale = _decode(v["scale"], tensors, where)
         return ScaledArray(data, scale, fmt=fmt, dtype=None if v["dtype"] is None else jnp.dtype(v["dtype"]))
     raise ScalifyIOError(f"{where}: unknown node kind {kind!r} in the scalify metadata")
 
