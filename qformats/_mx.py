@@ -112,11 +112,8 @@ class MXFormat(ScaledFormat):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
-        e, byte = self._scale(_layout.block_amax(x, block, exact=True))
-        inv_head, inv_tail = _bits.pow2_split(-e)
-        v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
-        data = self._pack(self.element.encode(self.element.stochastic_round(v, key)))
-        return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+        data, byte = self._encode(x, block, _layout.block_amax(x, block, exact=True), key=key)
+        return self._pack(data), lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
 
     def _pack(self, codes, materialized: bool = False):
         if not self._packs:
@@ -129,12 +126,15 @@ class MXFormat(ScaledFormat):
         nonfinite = ~(amax <= np.finfo(np.float32).max) | overflow
         return e, jnp.where(nonfinite, E8M0_NAN, e + 127).astype(jnp.uint8)
 
-    def _encode(self, x, block, amax):
-        """Unpacked element data and scale bytes from the exact block max."""
+    def _encode(self, x, block, amax, key=None):
+        """Unpacked element data and scale bytes from the exact block max; with a PRNG ``key`` the
+        scaled elements round stochastically instead of to nearest."""
         e, byte = self._scale(amax)
         # Block scales are applied as x * 2**-e, split so no factor is subnormal.
         inv_head, inv_tail = _bits.pow2_split(-e)
         v = x * _layout.expand(inv_head, x.shape, block) * _layout.expand(inv_tail, x.shape, block)
+        if key is not None:
+            v = self.element.stochastic_round(v, key)
         return self.element.encode(v), byte
 
     def _encode_fast(self, x, block, fast_amax):

@@ -72,8 +72,7 @@ class NVFP4Format(ScaledFormat):
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
         code, tensor, total = self._scales(_layout.block_amax(x, block))
-        v = x / _layout.expand(total, x.shape, block)
-        return self._pack(_FP4.encode(_FP4.stochastic_round(v, key))), NVFP4Scale(code, tensor)
+        return self._encode(x, block, total, key), NVFP4Scale(code, tensor)
 
     def quantize(self, x):
         self.check_input(x)
@@ -108,9 +107,13 @@ class NVFP4Format(ScaledFormat):
         # Decoding the E4M3 code from its bits is cheaper than XLA's float8 convert (same values).
         return code, tensor, tensor * _E4M3.decode(code)
 
-    def _encode(self, x, block, total):
-        """Element data (packed if ``self.packed``) for per-block multipliers ``total``."""
-        return self._pack(_FP4.encode(x / _layout.expand(total, x.shape, block)))
+    def _encode(self, x, block, total, key=None):
+        """Element data (packed if ``self.packed``) for per-block multipliers ``total``; with a PRNG
+        ``key`` the scaled elements round stochastically instead of to nearest."""
+        v = x / _layout.expand(total, x.shape, block)
+        if key is not None:
+            v = _FP4.stochastic_round(v, key)
+        return self._pack(_FP4.encode(v))
 
     def decode(self, data):
         if self.packed:

@@ -5,7 +5,7 @@ Two phases, because compressed-tensors needs torch, which is not a dependency of
     python scripts/check_ct_writers.py write OUT          # this project's env: write with qformats
     CT_PY scripts/check_ct_writers.py check OUT           # a venv with torch (CPU) and compressed-tensors
 
-``write`` quantizes one weight per compressed-tensors format with our formats, writes each as its own
+``write`` quantizes one weight per compressed-tensors format of the registry (``ct_*``), writes each as its own
 checkpoint folder with ``qformats.write_compressed_tensors`` and stores our dequantized values (float32
 and their bf16 bits) in ``OUT/<format>/ours.npz``. ``check`` loads each folder's ``config.json``, builds
 the config group's ``QuantizationScheme``, decompresses the ``model.safetensors`` tensors with
@@ -22,16 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-FORMATS = (
-    "ct_nvfp4",
-    "ct_mxfp4",
-    "ct_fp8_tensor",
-    "ct_fp8_channel",
-    "ct_fp8_block128",
-    "ct_int4_g128",
-    "ct_int4_g128_asym",
-)
-
 
 def write(out: Path) -> None:
     import jax.numpy as jnp
@@ -39,7 +29,8 @@ def write(out: Path) -> None:
 
     import qformats as qf
 
-    for i, name in enumerate(FORMATS):
+    # every compressed-tensors layout format the registry holds (registered unlisted, as ct_*)
+    for i, name in enumerate(n for n in qf.list_formats(unlisted=True) if n.startswith("ct_")):
         fmt = qf.get_format(name)
         shape = (300, 576) if name == "ct_fp8_block128" else (128, 512)
         rng = np.random.default_rng(100 + i)
@@ -62,8 +53,8 @@ def check(out: Path) -> int:
     from safetensors.torch import load_file
 
     failures = 0
-    for name in FORMATS:
-        folder = out / name
+    for folder in sorted(p for p in out.iterdir() if (p / "ours.npz").exists()):
+        name = folder.name
         cfg = json.loads((folder / "config.json").read_text())["quantization_config"]
         (group,) = cfg["config_groups"].values()
         scheme = QuantizationScheme(**{k: v for k, v in group.items() if k != "format"}, format=group["format"])
