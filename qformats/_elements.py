@@ -78,6 +78,11 @@ class FloatElement:
     def storage_dtype(self):
         return jnp.dtype(self.dtype) if self.dtype is not None else jnp.dtype(jnp.uint8)
 
+    @property
+    def exact_dtype(self):
+        """The narrowest of bfloat16 and float32 that holds every element value exactly."""
+        return jnp.bfloat16 if self.mbits <= 7 and self.ebits <= 8 else jnp.float32
+
     def half_step(self, v):
         """Half the grid spacing at magnitude ``|v|`` (the worst round-to-nearest error)."""
         e = np.maximum(np.floor(np.log2(np.maximum(np.abs(v), 1e-300))), self.emin)
@@ -214,6 +219,12 @@ class IntElement:
     @property
     def storage_dtype(self):
         return jnp.dtype(jnp.int8)
+
+    @property
+    def exact_dtype(self):
+        """The narrowest of bfloat16 and float32 that holds every element value (``code * step``,
+        ``step`` a power of two) exactly."""
+        return jnp.bfloat16 if self.qmax < 256 and np.log2(self.step).is_integer() else jnp.float32
 
     def half_step(self, v):
         return np.full(np.shape(v), self.step / 2)

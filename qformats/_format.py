@@ -83,6 +83,26 @@ class ScaledFormat(abc.ABC):
             f"(qformats.NVFP4, the MX formats) or round to nearest."
         )
 
+    def factored(self, data, scale):
+        """``dequantize(data, scale)`` as ``(values, factor)`` with ``values * factor`` its value.
+
+        ``values`` has the logical shape and a dtype that holds each of them exactly (the stored
+        dtype itself where it does, as for per-tensor FP8 data; bfloat16 for elements of 8
+        significant bits or fewer times power-of-two or E4M3 block scales); ``factor`` is a float32
+        scalar or a rank-matched scale grid. A contraction feeds ``values`` to the GEMM and applies
+        a factor that is constant along the contracted axes to its output. The default is exact
+        for every format: float32 dequantized values and factor 1.
+        """
+        return self.dequantize(data, scale), jnp.ones((), jnp.float32)
+
+    def block_scaled(self, data, scale):
+        """``(elements, block_scales, factor)`` in the operand types of
+        ``jax.nn.scaled_matmul`` (elements float8_e4m3fn / float8_e5m2 / float4_e2m1fn in the logical
+        shape, scales float8_e8m0fnu / float8_e4m3fn in the scale-grid shape, ``factor`` a float32
+        scalar multiplying the product), or ``None`` when this format has no such form (default)."""
+        del data, scale
+        return None
+
     # -- derived ----------------------------------------------------------------------------------
     def dequantize(self, data, scale, dtype=jnp.float32):
         """``decode(data) * expand(scale_values(scale))`` cast to ``dtype``."""

@@ -64,6 +64,14 @@ def e8m0_to_f32(byte):
     return jnp.where(b == E8M0_NAN, np.float32(np.nan), f)
 
 
+# Element types ``jax.nn.scaled_matmul`` takes (cuDNN's block-scaled GEMMs on Blackwell).
+_SCALED_MATMUL_ELEMENTS = {
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+    "float4_e2m1fn": jnp.float4_e2m1fn,
+}
+
+
 @attrs.frozen
 class MXFormat(ScaledFormat):
     """An OCP MX format: ``value = element(data) * 2**(scale_byte - 127)`` per block.
@@ -192,6 +200,19 @@ class MXFormat(ScaledFormat):
         head = jnp.where(b == E8M0_NAN, np.float32(np.nan), head)
         out = elems * _layout.expand(head, elems.shape, block) * _layout.expand(tail, elems.shape, block)
         return out.astype(dtype)
+
+    def factored(self, data, scale):
+        """Dequantized values, exact in bfloat16 (element times a power of two), factor 1."""
+        return self.dequantize(data, scale, self.element.exact_dtype), jnp.ones((), jnp.float32)
+
+    def block_scaled(self, data, scale):
+        """FP8 (E4M3, E5M2) and FP4 elements with their E8M0 block scales; FP6 and INT8 have no
+        ``scaled_matmul`` element type."""
+        dtype = _SCALED_MATMUL_ELEMENTS.get(self.element.name)
+        if dtype is None or scale.dtype != jnp.float8_e8m0fnu:  # E8M0 scales with NaN at 255 only
+            return None
+        elements = data if data.dtype == dtype else self.decode(data).astype(dtype)
+        return elements, scale, jnp.ones((), jnp.float32)
 
     def data_shape(self, shape):
         return _packing.packed_shape(shape, self.element.bits, self.axis) if self._packs else tuple(shape)

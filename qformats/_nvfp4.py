@@ -123,6 +123,19 @@ class NVFP4Format(ScaledFormat):
     def scale_values(self, scale):
         return scale.tensor * scale.block.astype(jnp.float32)
 
+    def factored(self, data, scale):
+        """FP4 elements times their E4M3 block scales (at most 6 significant bits: exact in
+        bfloat16), and the float32 tensor scale as the factor."""
+        elems = self.decode(data)
+        block = _layout.expand(_E4M3.decode(scale.block), elems.shape, self.block_shape(elems.shape))
+        return (elems * block).astype(jnp.bfloat16), jnp.asarray(scale.tensor, jnp.float32)
+
+    def block_scaled(self, data, scale):
+        """FP4 elements, E4M3 block scales and the tensor scale (1-D blocks only; tiles have none)."""
+        if self.tile_axis is not None:
+            return None
+        return self.decode(data).astype(jnp.float4_e2m1fn), scale.block, jnp.asarray(scale.tensor, jnp.float32)
+
     def data_shape(self, shape):
         return _packing.packed_shape(shape, 4, self.axis) if self.packed else tuple(shape)
 

@@ -52,3 +52,7 @@ class PerChannelIntFormat(ScaledFormat):
 
     def scale_values(self, scale):
         return jnp.asarray(scale, jnp.float32)
+
+    def factored(self, data, scale):
+        """The integer codes (exact in bfloat16) times the per-channel scales."""
+        return self.decode(data).astype(self.element.exact_dtype), self.scale_values(scale)

@@ -75,3 +75,13 @@ class PerTensorFormat(ScaledFormat):
 
     def scale_values(self, scale):
         return jnp.asarray(scale, jnp.float32)
+
+    def factored(self, data, scale):
+        """The stored elements (float8, float16 data as they are) times the tensor scale.
+
+        Elements beyond 2^32 (bfloat16's) could overflow a float32 product: they are dequantized.
+        """
+        if self.max_value > 2.0**32:
+            return super().factored(data, scale)
+        values = data if data.dtype == self.element.dtype else self.decode(data).astype(self.element.exact_dtype)
+        return values, self.scale_values(scale)

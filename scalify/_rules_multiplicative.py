@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify import _contraction
 from scalify._config import get_config
 from scalify._jax_compat import bind_eqn, bind_eqn_with, p
 from scalify._registry import register_rule
@@ -44,7 +45,7 @@ from scalify._rules_common import (
     times,
     wide,
 )
-from scalify._scaled_array import ScaledArray, cast
+from scalify._scaled_array import ScaledArray, cast, to_carrier
 
 # Equation parameters hold NumPy dtypes (other interpreters, such as amp, read them as dtypes).
 _F32_DTYPE = np.dtype(np.float32)
@@ -211,11 +212,32 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
 @register_rule(
     p.dot_general_p,
     "multiplicative",
-    "unblocked contraction: dot(data) accumulated in float32, /2^k, rounded once; scales multiplied "
-    "(grid outer product) * 2^k; settled on the measured amax outside [2^-7, 2^7]. A scale varying along "
-    "a contracted axis (MX, NVFP4, per-channel meeting per-channel): operands dequantized to float32 "
-    "(exact), one float32 dot, per-tensor carrier.",
+    "operands in a format: ScalifyConfig.contraction's strategy (dequantize / native / scaled_dot: values exact "
+    "in bf16 or f32, one GEMM with f32 accumulation, factors constant along K scale the output). Carriers: "
+    "dot(data) accumulated in float32, /2^k, rounded once; scales multiplied (grid outer product) * 2^k; settled "
+    "on the measured amax outside [2^-7, 2^7]; a scale varying along a contracted axis: one float32 dot of the "
+    "dequantized operands.",
+    raw=True,
 )
+def _dot_general_rule(eqn, a, b):
+    how = _strategy(a, b)
+    if how is not None:
+        return _contraction.dot(eqn, a, b, how)
+    return _dot_general(eqn, _as_carrier(a), _as_carrier(b))
+
+
+def _strategy(a, b, *, conv: bool = False):
+    """The contraction strategy for these operands; None for carriers under ``"auto"`` (which
+    keep jax-scalify's rule)."""
+    if get_config().contraction == "auto" and not (_contraction.formatted(a) or _contraction.formatted(b)):
+        return None
+    return _contraction.strategy(a, b, conv=conv)
+
+
+def _as_carrier(x):
+    return to_carrier(x) if isinstance(x, ScaledArray) else x
+
+
 def _dot_general(eqn, a, b):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     a, b = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
@@ -248,9 +270,18 @@ def _dot_general(eqn, a, b):
 @register_rule(
     p.conv_general_dilated_p,
     "multiplicative",
-    "operands folded to per-tensor; conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; "
-    "scale product * 2^k.",
+    "operands in a format: ScalifyConfig.contraction's strategy (non-scalar factors multiplied into the values, "
+    "one convolution with f32 accumulation, scalar factors scale the output). Carriers: folded to per-tensor; "
+    "conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; scale product * 2^k.",
+    raw=True,
 )
+def _conv_rule(eqn, lhs, rhs):
+    how = _strategy(lhs, rhs, conv=True)
+    if how is not None:
+        return _contraction.conv(eqn, lhs, rhs, how)
+    return _conv(eqn, _as_carrier(lhs), _as_carrier(rhs))
+
+
 def _conv(eqn, lhs, rhs):
     lhs, rhs = fold(promote(lhs, zero_adopts=False)), fold(promote(rhs, zero_adopts=False))
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec

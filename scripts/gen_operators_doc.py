@@ -34,8 +34,9 @@ operands unconverted (so formats reach the nested body).
 * Elementwise and structural rules keep the block grid of their input when it lines up; blocks that
   do not line up (e.g. adding per-channel and MX operands, reducing across blocks) are *folded* to a
   per-tensor scale (the largest block scale; data rescaled in float32).
-* Contractions of two blocked operands accumulate in float32 and return a **per-tensor** carrier
-  (as MX hardware does); `ScalifyConfig(dot_output_format=fmt)` re-quantizes dot outputs into `fmt`.
+* Contractions with an operand in a format accumulate in float32 and return a carrier in the
+  logical dtype (a per-tensor scale, or the outer product of per-channel factors);
+  `ScalifyConfig(dot_output_format=fmt)` re-quantizes dot outputs into `fmt`.
 * `ScalifyConfig(keep_format=True)` re-quantizes the output of elementwise / structural / additive
   rules into the format of their first formatted operand (when the output shape fits the layout).
 * Nonlinear rules with unbounded output re-quantize to a per-tensor carrier whose scale is the
@@ -44,18 +45,34 @@ operands unconverted (so formats reach the nested body).
   formats when they receive a scaled operand; `scalify.ops.dequantize(x)` is the explicit way out.
   Plain operands always bind the primitive unchanged.
 
-## Contractions (dot_general)
+## Contractions (dot_general, conv_general_dilated)
 
-1. No operand has a block boundary along a contracted axis (per-tensor, per-channel on a free axis):
-   `dot(dA, dB) / 2^k`, scale = outer product of the block grids `* 2^k`, with `2^k ~ sqrt(K)`.
-2. A scale that varies along a contracted axis (MX and NVFP4 blocks, activations blocked on their
-   last axis and weights built with `fmt.replace(axis=0)`; two per-channel scales meeting on the
-   contracted axis in a backward pass): both operands are dequantized to float32 (element times
-   power-of-two or E4M3 scale is exact in float32), contracted by one float32 `dot_general` and
-   re-quantized per-tensor. This is the blocked sum up to accumulation order; summing block by
-   block would materialise K/block partial outputs (34-41x the plain matmul at n = 2048).
+Operands in a `qformats` format are split by the format into exact `values * factor`
+(`fmt.factored`); what the GEMM gets is `ScalifyConfig(contraction=...)`'s strategy (see
+[Performance: contraction strategies](performance.md#contraction-strategies)):
 
-`conv_general_dilated` folds both operands to per-tensor, then follows case 1.
+1. `"dequantize"`: values in bfloat16 where that is exact (8-bit-or-narrower elements times
+   power-of-two or E4M3 block scales), else float32; one GEMM accumulating in float32; a factor
+   constant along the contracted axes (per-tensor, per-channel on a free axis, NVFP4's tensor
+   scale) scales the output, one that varies along them is multiplied into the values first.
+2. `"native"`: values as stored; per-tensor float8 operands as `convert(data) * scale`, which XLA on
+   NVIDIA GPUs folds into an FP8 GEMM.
+3. `"scaled_dot"`: `jax.nn.scaled_matmul` on elements and block scales (MXFP8, MXFP4, NVFP4 blocked
+   along the one contracted axis); its documented math in float32 where it has no lowering (CPU).
+4. `"auto"` (default): `"scaled_dot"` on GPUs with block-scaled GEMMs, `"native"` on other GPUs,
+   `"dequantize"` elsewhere.
+
+No strategy materialises per-block partial products; all equal the float32 contraction of the
+dequantized operands up to summation order (Hopper's FP8 GEMM accumulates with fewer bits).
+
+Carriers only (no format: jax-scalify's arrays) keep jax-scalify's rule under `"auto"`:
+
+1. No scale varies along a contracted axis: `dot(dA, dB) / 2^k`, scale = outer product of the
+   block grids `* 2^k`, with `2^k ~ sqrt(K)`.
+2. A scale that varies along a contracted axis: both operands dequantized to float32 and
+   contracted by one float32 `dot_general`.
+
+`conv_general_dilated` of carriers folds both operands to per-tensor, then follows case 1.
 
 ## Derivatives and sub-jaxprs
 

@@ -26,7 +26,8 @@ def _recipes():
 RECIPE_NAMES = sorted(_recipes())
 
 
-def gpt_block_loss(p, x):
+def gpt_block_loss(p, x, heads=HEADS):
+    """Pre-norm causal attention + GELU MLP block, loss ``mean(out^2)``."""
     import jax
     import jax.numpy as jnp
 
@@ -35,9 +36,9 @@ def gpt_block_loss(p, x):
         return (h - mu) * jax.lax.rsqrt(jnp.mean((h - mu) ** 2, axis=-1, keepdims=True) + 1e-5)
 
     b, t, d = x.shape
-    dh = d // HEADS
+    dh = d // heads
     h = norm(x)
-    q, k, v = (jnp.reshape(h @ p[n], (b, t, HEADS, dh)) for n in ("wq", "wk", "wv"))
+    q, k, v = (jnp.reshape(h @ p[n], (b, t, heads, dh)) for n in ("wq", "wk", "wv"))
     att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.float32(np.sqrt(dh))
     att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, np.float32(-1e9))
     o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, axis=-1), v).reshape(b, t, d)
@@ -46,7 +47,7 @@ def gpt_block_loss(p, x):
     return jnp.mean(x**2)
 
 
-def _params():
+def gpt_block_params():
     import jax.numpy as jnp
 
     shapes = {"wq": (D_MODEL, D_MODEL), "wk": (D_MODEL, D_MODEL), "wv": (D_MODEL, D_MODEL), "wo": (D_MODEL, D_MODEL)}
@@ -68,7 +69,7 @@ class GPTBlockRecipeStep:
         recipe = _recipes().get(name)
         if recipe is None:
             raise NotImplementedError("scalify.recipes is not importable")
-        self.args = (_params(), jnp.asarray(make_data("gaussian", (BATCH, SEQ, D_MODEL), seed=99)))
+        self.args = (gpt_block_params(), jnp.asarray(make_data("gaussian", (BATCH, SEQ, D_MODEL), seed=99)))
         self.plain = jax.jit(jax.value_and_grad(gpt_block_loss))
         self.recipe = jax.jit(jax.value_and_grad(recipes.apply(gpt_block_loss, recipe)))
         block(self.plain(*self.args))
