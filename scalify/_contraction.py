@@ -7,7 +7,8 @@ contracted axis is multiplied into the values (float32); the others factor out o
 scale the output. What is then fed to the GEMM is the strategy:
 
 * ``"dequantize"``: values cast to the narrowest of bfloat16 and float32 that holds both operands
-  exactly, one ``dot_general`` / convolution accumulating in float32;
+  exactly (float32 on CPU, see :func:`compute_dtype`), one ``dot_general`` / convolution
+  accumulating in float32;
 * ``"native"``: values fed as stored, float32 accumulation. Per-tensor float8 operands go in as
   ``convert(data) * scale``, the pattern XLA on NVIDIA GPUs turns into an FP8 GEMM (cuBLASLt) with
   the scales folded in; Hopper's FP8 tensor cores accumulate with fewer bits than float32 (with
@@ -24,7 +25,7 @@ equals the float32 contraction of the dequantized operands up to the order of th
 (where the GEMM accumulates in float32: not Hopper's FP8 GEMM under ``"native"``, see above).
 ``"auto"`` picks once per platform: ``"scaled_dot"`` on a GPU with block-scaled GEMMs (compute
 capability 10 and up) for operands it takes, else ``"native"`` on GPUs and ``"dequantize"``
-elsewhere (XLA on CPU converts float8 operands slowly and has fast bfloat16 GEMMs).
+elsewhere.
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def _fold_contracted(values, factor, contracted):
 
 def compute_dtype(*dtypes):
     """bfloat16 when it holds every operand's values exactly (8 significant bits or fewer, an
-    exponent range within float32's), else float32."""
+    exponent range within float32's) and the backend has bfloat16 GEMMs with float32 results
+    everywhere, else float32. XLA's CPU runtime has them only inside its oneDNN / YNNPACK fusions:
+    a dot it leaves unfused (a transposed weight-gradient GEMM of a training step) fails with
+    ``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``, so CPU gets float32."""
 
     def fits(d):
         d = np.dtype(d)
@@ -95,6 +99,8 @@ def compute_dtype(*dtypes):
         fi = jnp.finfo(d)
         return fi.nmant <= 7 and fi.maxexp <= 128 and fi.minexp >= -126
 
+    if jax.default_backend() == "cpu":
+        return jnp.float32
     return jnp.bfloat16 if all(fits(d) for d in dtypes) else jnp.float32
 
 

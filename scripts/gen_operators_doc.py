@@ -51,9 +51,9 @@ Operands in a `qformats` format are split by the format into exact `values * fac
 (`fmt.factored`); what the GEMM gets is `ScalifyConfig(contraction=...)`'s strategy (see
 [Performance: contraction strategies](performance.md#contraction-strategies)):
 
-1. `"dequantize"`: values in bfloat16 where that is exact (8-bit-or-narrower elements times
-   power-of-two or E4M3 block scales), else float32; one GEMM accumulating in float32; a factor
-   constant along the contracted axes (per-tensor, per-channel on a free axis, NVFP4's tensor
+1. `"dequantize"`: values in bfloat16 where that is exact on GPUs (8-bit-or-narrower elements times
+   power-of-two or E4M3 block scales), else float32 (always on CPU); one GEMM accumulating in
+   float32; a factor constant along the contracted axes (per-tensor, per-channel on a free axis, NVFP4's tensor
    scale) scales the output, one that varies along them is multiplied into the values first.
 2. `"native"`: values as stored; per-tensor float8 operands as `convert(data) * scale`, which XLA on
    NVIDIA GPUs folds into an FP8 GEMM.

@@ -159,10 +159,10 @@ def _hlo(fn, strategy, *args, **config):
         return jax.jit(jsa.scalify(fn)).lower(*args).as_text()
 
 
-def test_native_feeds_float8_dequantize_pattern_and_dequantize_bfloat16():
+def test_native_feeds_float8_dequantize_pattern_and_dequantize_exact_values():
     """``native`` gives per-tensor float8 operands as ``convert(data) * scale`` into a float32 dot at
     HIGHEST precision (the pattern XLA's GPU rewriter folds into an FP8 GEMM; fast accumulation
-    only on request); ``dequantize`` feeds bfloat16."""
+    only on request); ``dequantize`` feeds bfloat16 (float32 on CPU)."""
     a = _scaled(_data((32, 64), 14), qf.FP8_E4M3, 1, 0)
     b = _scaled(_data((64, 8), 15), qf.FP8_E5M2, 0, 1)
     native = _hlo(jnp.matmul, "native", a, b)
@@ -171,7 +171,9 @@ def test_native_feeds_float8_dequantize_pattern_and_dequantize_bfloat16():
     assert "precision = [HIGHEST, HIGHEST]" in native
     assert "precision = [HIGHEST, HIGHEST]" not in _hlo(jnp.matmul, "native", a, b, fast_accumulation=True)
     deq = _hlo(jnp.matmul, "dequantize", a, b)
-    assert "tensor<32x64xbf16>, tensor<64x8xbf16>) -> tensor<32x8xf32>" in deq
+    # bfloat16 where the backend has bfloat16 x bfloat16 -> float32 GEMMs everywhere (not XLA's CPU)
+    dt = "f32" if jax.default_backend() == "cpu" else "bf16"
+    assert f"tensor<32x64x{dt}>, tensor<64x8x{dt}>) -> tensor<32x8xf32>" in deq
 
 
 def test_no_per_block_partial_products_and_bounded_memory():
