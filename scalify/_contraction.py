@@ -78,10 +78,15 @@ def _factored(x):
     return x.data, normalize_scale(cast(x.scale, F32), x.data.shape)
 
 
+def _fold(values, factor):
+    """``(values * factor, 1)`` in float32: the factor multiplied into the values."""
+    return lax.mul(cast(values, F32), expand_scale(factor, values.shape)), jnp.ones((), F32)
+
+
 def _fold_contracted(values, factor, contracted):
     """Multiply a factor that varies along a contracted axis into the values (float32)."""
     if factor.ndim and any(factor.shape[i] != 1 for i in contracted):
-        return lax.mul(cast(values, F32), expand_scale(factor, values.shape)), jnp.ones((), F32)
+        return _fold(values, factor)
     return values, factor
 
 
@@ -137,10 +142,15 @@ def _finish(acc, scale, out_dtype) -> ScaledArray:
     as it is for float32 and bfloat16 (their range is float32's), settled on its amax for a
     narrower carrier; re-quantized under ``ScalifyConfig.dot_output_format``."""
     out = ScaledArray(cast(acc, out_dtype), scale) if wide(out_dtype) else settle(acc, scale, out_dtype)
+    return output_format(out, out_dtype)
+
+
+def output_format(out: ScaledArray, dtype) -> ScaledArray:
+    """A contraction's output re-quantized into ``ScalifyConfig.dot_output_format`` (if set)."""
     fmt = get_config().dot_output_format
     if fmt is not None:
-        data, fscale = fmt.quantize(out.to_array(F32))
-        return ScaledArray(data, fscale, fmt=fmt, dtype=out_dtype)
+        data, scale = fmt.quantize(out.to_array(F32))
+        return ScaledArray(data, scale, fmt=fmt, dtype=dtype)
     return out
 
 
@@ -157,7 +167,7 @@ def dot(eqn, a, b, how: str) -> ScaledArray:
         # The dequantization pattern XLA's GPU GEMM rewriter folds into cuBLASLt's FP8 GEMM with
         # its operand scales (measured on an H100: no separate scaling pass, no float32 GEMM);
         # elsewhere it is the float32 contraction of the dequantized operands.
-        va, vb, fa, fb = lax.mul(cast(va, F32), fa), lax.mul(cast(vb, F32), fb), jnp.ones((), F32), jnp.ones((), F32)
+        (va, fa), (vb, fb) = _fold(va, fa), _fold(vb, fb)
         params = _fp8_gemm_params()
     else:
         va, vb = _feed(va, vb, how)
@@ -177,12 +187,7 @@ def _broadcast_batch(fa, fb, lb, rb, va, vb):
     for i, j in zip(lb, rb, strict=True):
         m, n = ga.shape[i], gb.shape[j]
         if m != n and 1 not in (m, n):
-            one = jnp.ones((), F32)
-            va, vb = (
-                lax.mul(cast(va, F32), expand_scale(fa, va.shape)),
-                lax.mul(cast(vb, F32), expand_scale(fb, vb.shape)),
-            )
-            return va, one, vb, one
+            return (*_fold(va, fa), *_fold(vb, fb))
         sa[i] = sb[j] = max(m, n)
     return va, jnp.broadcast_to(ga, sa), vb, jnp.broadcast_to(gb, sb)
 
@@ -277,9 +282,9 @@ def conv(eqn, lhs, rhs, how: str) -> ScaledArray:
     va, fa = _factored(lhs)
     vb, fb = _factored(rhs)
     if fa.ndim:
-        va, fa = lax.mul(cast(va, F32), expand_scale(fa, va.shape)), jnp.ones((), F32)
+        va, fa = _fold(va, fa)
     if fb.ndim:
-        vb, fb = lax.mul(cast(vb, F32), expand_scale(fb, vb.shape)), jnp.ones((), F32)
+        vb, fb = _fold(vb, fb)
     va, vb = _feed(va, vb, "native" if how == "native" else "dequantize")
     (acc,) = bind_eqn_with(eqn, [va, vb], **_gemm_params(va))
     return _finish(acc, lax.mul(fa, fb), eqn.outvars[0].aval.dtype)

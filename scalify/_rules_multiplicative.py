@@ -1,6 +1,8 @@
 """Multiplicative rules: scales multiply (mul, div, dot_general, conv_general_dilated).
 
-Contractions:
+Contractions with an operand in a ``qformats`` format run one of the strategies of
+``scalify/_contraction.py`` (``ScalifyConfig(contraction=...)``). Contractions of carriers only, under
+``"auto"``:
 
 * no operand has a block boundary along a contracted axis (per-tensor, per-channel on a free axis):
   the scales factor out of the sum, ``out = dot(dA, dB) / r`` with scale ``grid(sA) x grid(sB) * r``
@@ -159,15 +161,7 @@ def _grid(x: ScaledArray):
 def _finish(value_f32, dtype):
     """Per-tensor carrier of a float32 contraction result: scale 1, settled (a power of two moves
     into the scale only when the amax leaves the window), or re-quantized into ``dot_output_format``."""
-    return _output_format(settle(value_f32, jnp.ones((), F32), dtype), dtype)
-
-
-def _output_format(out, dtype):
-    fmt = get_config().dot_output_format
-    if fmt is not None:
-        data, scale = fmt.quantize(out.to_array(F32))
-        return ScaledArray(data, scale, fmt=fmt, dtype=dtype)
-    return out
+    return _contraction.output_format(settle(value_f32, jnp.ones((), F32), dtype), dtype)
 
 
 def _dequant_dot(eqn, a, b):
@@ -245,7 +239,7 @@ def _dot_general(eqn, a, b):
     k = math.prod(a.data.shape[i] for i in lc)
     r = sqrt_rescale(k)
     if per_tensor(a) and per_tensor(b):
-        return _output_format(
+        return _contraction.output_format(
             _contracted(eqn, a.data, b.data, r, lax.mul(a.scale, b.scale), _carrier(eqn, a, b)), out_dtype
         )
     ga, gb = _grid(a), _grid(b)
@@ -264,7 +258,7 @@ def _dot_general(eqn, a, b):
         # per-block partial outputs (K/32 copies of the output) that summing block by block needs.
         return _dequant_dot(eqn, a, b)
     scale = lax.dot_general_p.bind(ga, gb, **dict(eqn.params, preferred_element_type=_F32_DTYPE))
-    return _output_format(_contracted(eqn, a.data, b.data, r, scale, _carrier(eqn, a, b)), out_dtype)
+    return _contraction.output_format(_contracted(eqn, a.data, b.data, r, scale, _carrier(eqn, a, b)), out_dtype)
 
 
 @register_rule(
