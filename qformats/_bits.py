@@ -7,7 +7,10 @@ no scale is ever applied by dividing by (or multiplying with) a subnormal power 
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 F32_MANT_BITS = 23
@@ -58,10 +61,32 @@ def pow2_split(e):
     return pow2(jnp.maximum(e, -126)), jnp.where(e < -126, jnp.float32(0.5), jnp.float32(1.0))
 
 
+def pow2_split_wide(e):
+    """``(head, tail)``, both normal, with ``head * tail == 2**e`` for integer ``e`` in [-252, 254]."""
+    e = jnp.asarray(e, jnp.int32)
+    head = jnp.clip(e, -126, 127)
+    return pow2(head), pow2(e - head)
+
+
 def mul_pow2(x, e):
     """``x * 2**e`` for integer ``e`` in [-127, 127] without a subnormal multiplier."""
     head, tail = pow2_split(e)
     return x * head * tail
+
+
+def rceil_exponent(amax, max_value: float):
+    """Smallest integer ``e`` with ``amax * 2**-e <= max_value`` (``ceil(log2(amax / max_value))``),
+    for normal ``amax``, without a division.
+
+    Start from ``floor(log2(amax)) - floor(log2(max_value))``; the scaled amax then lies in
+    ``[2**emax, 2**(emax+1))`` and one exact comparison decides whether to step up. No quotient is
+    formed, so nothing is lost when ``amax / max_value`` would be a float32 subnormal (which XLA on
+    CPU flushes to zero). Zero and subnormal ``amax`` give ``-127 - emax`` or less; callers clamp.
+    """
+    emax = math.floor(math.log2(max_value))
+    e = floor_log2(amax) - emax
+    scaled = mul_pow2(amax, jnp.clip(-e, -127, 127))
+    return e + (scaled > np.float32(max_value)).astype(jnp.int32)
 
 
 def log2_f32(x):

@@ -82,11 +82,17 @@ class SafetensorsSource:
         self.where: dict[str, Path] = {}
         self.info: dict[str, dict] = {}
         for f in self.files:
-            header, _ = _safetensors.read_header(f)
+            header, _ = _safetensors.read_header(f)  # validated: offsets, sizes, dtypes (a ValueError)
             for k, v in header.items():
-                if k != _safetensors.METADATA_KEY:
-                    self.where[k] = f
-                    self.info[k] = v
+                if k == _safetensors.METADATA_KEY:
+                    continue
+                if k in self.where:
+                    raise CheckpointError(
+                        f"{self.where[k]}: tensor {k!r} is in both {self.where[k]} and {f}, so which one is meant is "
+                        "ambiguous. Remove the stale shard (each tensor of a checkpoint is in one file)."
+                    )
+                self.where[k] = f
+                self.info[k] = v
 
     def names(self):
         return list(self.where)
@@ -103,12 +109,35 @@ class SafetensorsSource:
     def read(self, name) -> np.ndarray:
         return _safetensors.read_tensor(self.where[name], name, mmap=self.mmap)
 
+    def location(self) -> str:
+        """The files, for messages about a tensor that is missing."""
+        return ", ".join(map(str, self.files))
 
-def _load_json(path: Path):
+    def error(self, name, msg) -> CheckpointError:
+        """A :class:`CheckpointError` naming the file that holds ``name``, the tensor and ``msg``."""
+        return CheckpointError(f"{self.where.get(name, self.location())}: tensor {name!r} {msg}")
+
+    def check(self, name, dtypes, role: str, *, ndim: int = 0) -> None:
+        """Refuse ``name`` unless its stored dtype is one of ``dtypes`` and it has at least ``ndim`` axes
+        (checked from the header, before its bytes are read)."""
+        dt = self.dtype(name)
+        if dt not in dtypes:
+            raise self.error(name, f"has dtype {dt}, but {role} is stored as {' or '.join(dtypes)}")
+        shape = self.shape(name)
+        if len(shape) < ndim:
+            raise self.error(name, f"has rank {len(shape)} (shape {shape}), but {role} has at least {ndim} dimensions")
+
+
+def _load_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        out = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot read it as JSON (nested too deeply)") from None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(out).__name__}, not an object")
+    return out
 
 
 def _safetensors_files(d: Path):
@@ -144,13 +173,13 @@ def read_checkpoint(path, *, mmap: bool = False) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         from qformats import _ckpt_gguf
 
         return _ckpt_gguf.read(path)
     if path.is_dir():
         folder, files = path, _safetensors_files(path)
-    elif path.suffix == ".safetensors":
+    elif path.suffix.lower() == ".safetensors":
         folder, files = path.parent, [path]
     else:
         raise unsupported(f"{path}: not a folder, a .safetensors file or a .gguf file")
@@ -158,6 +187,8 @@ def read_checkpoint(path, *, mmap: bool = False) -> dict:
     hfq = _load_json(folder / "hf_quant_config.json") if (folder / "hf_quant_config.json").exists() else None
     source = SafetensorsSource(files, mmap=mmap)
     qcfg = config.get("quantization_config")
+    if qcfg is not None and not isinstance(qcfg, dict):
+        raise CheckpointError(f"{folder / 'config.json'}: quantization_config is {type(qcfg).__name__}, not an object")
     method = (qcfg or {}).get("quant_method")
     if hfq is not None and method in (None, "modelopt"):
         method = "modelopt"

@@ -35,13 +35,19 @@ from qformats._nvfp4 import NVFP4Scale
 
 FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "float-quantized", "pack-quantized")
 _ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_FLOATS = tuple(_ST_NAMES)
 
 
 def _groups(qcfg: dict):
     """``[(format, weights args)]`` for every config group."""
     out = []
     default = qcfg.get("format")
-    for name, g in (qcfg.get("config_groups") or {}).items():
+    groups = qcfg.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"compressed-tensors config_groups is {type(groups).__name__}, not an object")
+    for name, g in groups.items():
+        if not isinstance(g, dict) or not isinstance(g.get("weights") or {}, dict):
+            raise CheckpointError(f"compressed-tensors config group {name!r} is malformed: {g!r:.200}")
         fmt = g.get("format") or default
         out.append((fmt, g.get("weights") or {}, name))
     if not out:
@@ -81,48 +87,54 @@ def read(source: SafetensorsSource, config: dict) -> dict:
     return take_rest(source, used, out)
 
 
-def _take(source, used, name):
+def _take(source, used, name, dtypes, role, ndim=0):
+    """Read ``name`` after checking its dtype and rank in the header."""
     if name not in source:
-        raise CheckpointError(f"compressed-tensors checkpoint: expected tensor {name!r} is missing")
+        raise CheckpointError(
+            f"{source.location()}: compressed-tensors checkpoint: expected tensor {name!r} ({role}) is missing"
+        )
+    source.check(name, dtypes, role, ndim=ndim)
     used.add(name)
     return source.read(name)
 
 
 def _nvfp4(source, base, used):
-    data = _take(source, used, base + "_packed")
-    block = _take(source, used, base + "_scale")
-    g = _take(source, used, base + "_global_scale").astype(np.float32)
+    data = _take(source, used, base + "_packed", ("U8",), "an NVFP4 packed weight", 1)
+    block = _take(source, used, base + "_scale", ("F8_E4M3",), "an NVFP4 block scale", 1)
+    g = _take(source, used, base + "_global_scale", _FLOATS, "an NVFP4 global scale").astype(np.float32)
     if g.size != 1:
-        raise CheckpointError(f"{base}_global_scale has shape {g.shape}; expected one value")
+        raise source.error(base + "_global_scale", f"has shape {g.shape}; expected one value")
     fmt = CT_NVFP4
-    _check_shape(fmt, base, data, block)
+    _check_shape(source, fmt, base, data, block)
     return QuantizedTensor(fmt, data, NVFP4Scale(block, g.reshape(())))
 
 
 def _mxfp4(source, base, used):
-    data = _take(source, used, base + "_packed")
-    scale = _take(source, used, base + "_scale")
-    if scale.dtype != np.uint8:
-        raise CheckpointError(f"{base}_scale has dtype {scale.dtype}; MXFP4 expects uint8 E8M0 bytes")
+    data = _take(source, used, base + "_packed", ("U8",), "an MXFP4 packed weight", 1)
+    scale = _take(source, used, base + "_scale", ("U8",), "an MXFP4 scale (E8M0 bytes)", 1)
     fmt = CT_MXFP4
-    _check_shape(fmt, base, data, scale)
+    _check_shape(source, fmt, base, data, scale)
     return QuantizedTensor(fmt, data, scale)
 
 
-def _check_shape(fmt, base, data, scale):
-    shape = fmt.value_shape(data.shape)
-    want = tuple(fmt.scale_shape(shape))
+def _check_shape(source, fmt, base, data, scale, name=None):
+    name = name or base + "_packed"
+    try:
+        shape = fmt.value_shape(data.shape)
+        want = tuple(fmt.scale_shape(shape))
+    except (ValueError, TypeError, IndexError) as e:
+        raise source.error(name, f"of shape {data.shape} does not fit {fmt.name}: {e}") from None
     got = tuple(np.shape(scale))
     if want != got:
-        raise CheckpointError(f"{base}: scale shape {got} does not fit {fmt.name} for logical shape {shape} ({want})")
+        raise source.error(
+            name, f"({base}): scale shape {got} does not fit {fmt.name} for logical shape {shape} (expected {want})"
+        )
 
 
 def _fp8(source, name, groups, config, used):
-    data = _take(source, used, name)
-    scale = _take(source, used, name + "_scale")
-    sdt = _ST_NAMES.get(source.dtype(name + "_scale"))
-    if sdt is None:
-        raise CheckpointError(f"{name}_scale has dtype {source.dtype(name + '_scale')}; expected BF16, F16 or F32")
+    data = _take(source, used, name, ("F8_E4M3",), "an FP8 weight", 1)
+    scale = _take(source, used, name + "_scale", _FLOATS, "an FP8 weight scale")
+    sdt = _ST_NAMES[source.dtype(name + "_scale")]
     strategies = {
         (w.get("strategy"), tuple(w.get("block_structure") or ())) for f, w, _ in groups if f == "float-quantized"
     }
@@ -146,9 +158,11 @@ def _fp8(source, name, groups, config, used):
 
 
 def _int4(source, base, groups, used):
-    data = _take(source, used, base + "_packed")
-    scale = _take(source, used, base + "_scale")
-    shape = tuple(int(s) for s in _take(source, used, base + "_shape")) if base + "_shape" in source else None
+    data = _take(source, used, base + "_packed", ("I32",), "an int4 packed weight", 1)
+    scale = _take(source, used, base + "_scale", _FLOATS, "an int4 group scale", 1)
+    shape = None
+    if base + "_shape" in source:
+        shape = tuple(int(s) for s in _take(source, used, base + "_shape", ("I64", "I32"), "a weight shape", 1))
     args = [w for f, w, _ in groups if f == "pack-quantized"]
     if not args:
         raise unsupported(f"{base}_packed is int32-packed but no config group has format 'pack-quantized'")
@@ -175,11 +189,11 @@ def _int4(source, base, groups, used):
     fmt = (CT_INT4_G128 if symmetric else CT_INT4_G128_ASYM).replace(scale_dtype=sdt)
     if gs != 128:
         fmt = fmt.replace(name=f"ct_int4_g{gs}" + ("" if symmetric else "_asym"), group_size=gs)
-    _check_shape(fmt, base, data, scale)
+    _check_shape(source, fmt, base, data, scale)
     if symmetric:
         return QuantizedTensor(fmt, data, scale)
-    zp = _take(source, used, zp_name)
+    zp = _take(source, used, zp_name, ("I32",), "int4 zero points (packed)", 1)
     want = (-(-data.shape[0] // 8), scale.shape[-1])
     if zp.shape != want:
-        raise CheckpointError(f"{zp_name} has shape {zp.shape}; expected {want} (int4 packed along N)")
+        raise source.error(zp_name, f"has shape {zp.shape}; expected {want} (int4 zero points packed along N)")
     return QuantizedTensor(fmt, data, Int4Scale(scale, zp))

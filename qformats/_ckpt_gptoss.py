@@ -10,7 +10,7 @@ compressed-tensors' MXFP4). Fused ``gate_up_proj`` rows interleave gate (even) a
 
 from __future__ import annotations
 
-from qformats._checkpoint import CheckpointError, QuantizedTensor, model_dtype, take_rest
+from qformats._checkpoint import QuantizedTensor, model_dtype, take_rest
 from qformats._fmt_checkpoints import CT_MXFP4
 
 
@@ -24,12 +24,16 @@ def read(source, config: dict) -> dict:
             continue
         base = n[: -len("_blocks")]
         if base + "_scales" not in source:
-            raise CheckpointError(f"{n}: gpt-oss MXFP4 blocks without {base}_scales")
+            raise source.error(n, f"is gpt-oss MXFP4 blocks without {base}_scales")
+        source.check(n, ("U8",), "gpt-oss MXFP4 blocks", ndim=2)
+        source.check(base + "_scales", ("U8",), "gpt-oss MXFP4 scales (E8M0 bytes)", ndim=1)
+        if source.shape(n)[-1] != 16 or source.shape(n)[:-1] != source.shape(base + "_scales"):
+            raise source.error(
+                n,
+                f"({base}): blocks {source.shape(n)} and scales {source.shape(base + '_scales')} do not fit "
+                "[..., G, 16] / [..., G]",
+            )
         blocks, scales = source.read(n), source.read(base + "_scales")
         used |= {n, base + "_scales"}
-        if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-            raise CheckpointError(
-                f"{base}: blocks {blocks.shape} and scales {scales.shape} do not fit [..., G, 16] / [..., G]"
-            )
         out[base] = QuantizedTensor(fmt, blocks.reshape(*scales.shape[:-1], scales.shape[-1] * 16), scales)
     return take_rest(source, used, out)

@@ -150,17 +150,22 @@ def write_compressed_tensors(folder, tensors: dict, *, config: dict | None = Non
     folder.mkdir(parents=True, exist_ok=True)
     stored: dict = {}
     groups: dict = {}
+    owner: dict = {}  # stored name -> the input name it comes from
     for name, t in tensors.items():
         if isinstance(t, QuantizedTensor):
             fmt, args, arrays = _ct_entry(name, t)
             key = (fmt, json.dumps(args, sort_keys=True))
             groups.setdefault(key, []).append(name[: -len(".weight")])
-            stored.update(arrays)
         else:
-            stored[name] = np.asarray(t)
-    clash = [k for k in stored if list(stored).count(k) > 1]
-    if clash:
-        raise CheckpointError(f"tensor names clash after renaming: {clash}")
+            arrays = {name: np.asarray(t)}
+        for k, a in arrays.items():
+            if k in owner:
+                raise CheckpointError(
+                    f"tensor names clash after renaming: {k!r} is written for both {owner[k]!r} and {name!r} "
+                    f"(a quantized '<module>.weight' is stored as {k!r}); rename or drop one of them."
+                )
+            owner[k] = name
+            stored[k] = a
     config_groups = {
         f"group_{i}": {
             "targets": modules,

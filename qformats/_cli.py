@@ -15,6 +15,9 @@ import math
 import sys
 
 EXIT_INPUT = 2
+# _compare's DEFAULT_MAX_FLUSHED / DEFAULT_MAX_SATURATED in percent (without importing jax for `--help`)
+DEFAULT_MAX_FLUSHED_PCT = 5.0
+DEFAULT_MAX_SATURATED_PCT = 1.0
 
 
 def _fmt_num(v, spec=".4g"):
@@ -38,7 +41,9 @@ def _cmd_list(args) -> int:
 
     rows = [qf.get_format(n).describe() for n in qf.list_formats()]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        from qformats._compare import _json_number
+
+        print(json.dumps(_json_number(rows), indent=2, allow_nan=False))
         return 0
     header = ["name", "element", "bits/elem", "max", "smallest normal", "layout"]
     print(_table([[_fmt_num(r[h]) if isinstance(r[h], float) else r[h] for h in header] for r in rows], header))
@@ -66,7 +71,7 @@ def _print_compare(result, tensors) -> None:
                 [
                     r["format"],
                     f"{r['bits_per_element']:.3f}",
-                    _fmt_num(r["sqnr_db"], ".2f"),
+                    "overflow" if r["overflow_fraction"] else _fmt_num(r["sqnr_db"], ".2f"),
                     _fmt_num(r["max_rel_error"], ".3g"),
                     f"{100 * r['saturated_fraction']:.3g}%",
                     f"{100 * r['flushed_fraction']:.3g}%",
@@ -75,19 +80,29 @@ def _print_compare(result, tensors) -> None:
                 ]
             )
         print(_table(rows, header))
+        for r in recs:
+            # the SQNR is in the table; say why a format is out when it is (also) for another reason
+            if r["applicable"] and (
+                r["overflow_fraction"] > 0
+                or r["flushed_fraction"] > result.max_flushed
+                or r["saturated_fraction"] > result.max_saturated
+            ):
+                print(f"  {r['format']}: not recommended: {r['rejected_because']}.")
         rec = result.recommendations.get(name)
         if rec is None:
-            print(f"  no format reaches {result.min_sqnr:g} dB SQNR on {name}; lower --min-sqnr or add wider formats.")
+            print(
+                f"  no format reaches {result.min_sqnr:g} dB SQNR within the flush/saturation limits on {name}; "
+                "lower --min-sqnr, raise --max-flushed / --max-saturated, or add wider formats."
+            )
         print()
+    limits = (
+        f"reaches {result.min_sqnr:g} dB SQNR, flushing at most {100 * result.max_flushed:g}% and saturating at "
+        f"most {100 * result.max_saturated:g}% of the values,"
+    )
     if result.overall:
-        print(
-            f"overall: {result.overall} is the smallest format that reaches {result.min_sqnr:g} dB SQNR"
-            " on every tensor."
-        )
+        print(f"overall: {result.overall} is the smallest format that {limits} on every tensor.")
     elif by_tensor:
-        print(
-            f"overall: no single format reaches {result.min_sqnr:g} dB SQNR on every tensor; use the per-tensor picks."
-        )
+        print(f"overall: no single format {limits} on every tensor; use the per-tensor picks.")
 
 
 def _plot(result, path) -> None:
@@ -156,12 +171,14 @@ def _cmd_compare(args) -> int:
         formats,
         axis=args.axis,
         min_sqnr=args.min_sqnr,
+        max_flushed=args.max_flushed / 100,
+        max_saturated=args.max_saturated / 100,
         repeats=args.repeats,
         progress=len(tensors) >= 8 and not args.json,
     )
     problems += result.problems
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps(result.to_json(), indent=2, allow_nan=False))
     elif result.records:
         _print_compare(result, tensors)
     if args.plot and result.records:
@@ -173,6 +190,16 @@ def _cmd_compare(args) -> int:
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     return EXIT_INPUT if problems else 0
+
+
+def _percent(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 <= v <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage between 0 and 100")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Quantize every floating tensor of the given .npy/.npz/.safetensors files (default: an embedded "
             "set of typical weights, activations, gradients and embeddings) with each format; report bits "
             "per element, SQNR, max relative error, saturated and flushed fractions and quantize time; "
-            "recommend the smallest format whose SQNR reaches --min-sqnr. Exit status 2 on input problems "
-            "(reported on stderr; the rest is still analysed)."
+            "recommend the smallest format whose SQNR reaches --min-sqnr while flushing and saturating at most "
+            "--max-flushed / --max-saturated percent of the values. Exit status 2 on input problems "
+            "(reported on stderr; the rest is still analysed). --json output is strict JSON."
         ),
     )
     p.add_argument(
@@ -209,6 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tensor", action="append", metavar="NAME", help="analyse only this tensor (repeatable)")
     p.add_argument("--min-sqnr", type=float, default=25.0, metavar="DB", help="SQNR a format must reach (default: 25)")
+    p.add_argument(
+        "--max-flushed",
+        type=_percent,
+        default=DEFAULT_MAX_FLUSHED_PCT,
+        metavar="PCT",
+        help=f"a recommended format flushes at most PCT%% of the values to zero (default: {DEFAULT_MAX_FLUSHED_PCT:g})",
+    )
+    p.add_argument(
+        "--max-saturated",
+        type=_percent,
+        default=DEFAULT_MAX_SATURATED_PCT,
+        metavar="PCT",
+        help=(
+            "a recommended format clips at most PCT%% of the values at its largest magnitude "
+            f"(default: {DEFAULT_MAX_SATURATED_PCT:g})"
+        ),
+    )
     p.add_argument(
         "--repeats", type=int, default=3, metavar="N", help="timed quantize runs, median reported (default: 3)"
     )

@@ -12,11 +12,16 @@ For every tensor and format, :func:`compare` quantizes the tensor, dequantizes i
   ``h`` is half the grid spacing at ``max_value``; i.e. with an unbounded range ``x`` would have
   rounded to something beyond the maximum;
 * ``flushed_fraction``: fraction of all elements that are nonzero but dequantize to 0;
+* ``overflow_fraction``: fraction of all elements (all finite) whose round trip is ``inf`` or NaN;
 * ``quantize_seconds``: the median wall time of a few warm runs of ``jax.jit(fmt.quantize)``.
 
-The recommendation for a tensor is the format with the fewest bits per element whose SQNR is at
-least ``min_sqnr`` (ties go to the higher SQNR); the overall recommendation is the format with the
-fewest total bits over all tensors among those that clear ``min_sqnr`` on every tensor.
+A format is *acceptable* for a tensor when its SQNR is at least ``min_sqnr``, it flushes at most
+``max_flushed`` and saturates at most ``max_saturated`` of the elements, and nothing overflows;
+otherwise ``rejected_because`` says why. SQNR alone is not enough: it is dominated by the largest
+values, so a format can reach it while flushing most small values to zero (NVFP4 on gradients that
+span many decades). The recommendation for a tensor is the acceptable format with the fewest bits
+per element (ties go to the higher SQNR); the overall recommendation is the format with the fewest
+total bits over all tensors among those acceptable on every tensor.
 
 A format that cannot hold a tensor (for example a blocked format whose block size does not divide
 the tensor's axis) yields a record with ``applicable: False`` and the reason.
@@ -26,11 +31,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +49,12 @@ from qformats._registry import get_format, list_formats
 __all__ = ["CompareResult", "InputProblem", "Tensor", "compare", "default_tensors", "load_tensors"]
 
 DEFAULT_MIN_SQNR = 25.0
+#: Largest share of the elements a recommended format may flush to zero (5%) / saturate (1%). An
+#: 8-bit uniform grid (int8, MXINT8) rounds ~1% of Gaussian weights to zero and MXFP6 E2M3 ~2%: that
+#: is ordinary rounding, so the flush limit sits above it, and far below the 40-80% that FP8 / FP4
+#: formats flush on gradients spread over many decades.
+DEFAULT_MAX_FLUSHED = 0.05
+DEFAULT_MAX_SATURATED = 0.01
 
 
 class InputProblem(Exception):
@@ -128,6 +140,77 @@ def _read_checkpoint_tensors(path: Path):
             yield key, (lambda t=t: t)
 
 
+def _npy_header(fp, where):
+    """``(shape, dtype)`` from the header of the ``.npy`` stream ``fp`` (left just after the header), or
+    ``None`` for a header version NumPy has no public reader for. Raises :class:`InputProblem`."""
+    from numpy.lib import format as npf
+
+    try:
+        version = npf.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = npf.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, _, dtype = npf.read_array_header_2_0(fp)
+        else:
+            return None
+    except (ValueError, SyntaxError, TypeError) as e:
+        raise InputProblem(
+            f"{where}: cannot read it: not a valid .npy array header ({_reason(e)}). Save it again with np.save."
+        ) from None
+    return tuple(shape), np.dtype(dtype)
+
+
+def _check_npy(fp, nbytes: int, where: str) -> None:
+    """Refuse a ``.npy`` stream of ``nbytes`` whose header declares more (or fewer) data bytes than it
+    holds, before NumPy allocates the declared array (it allocates first, then reads)."""
+    header = _npy_header(fp, where)
+    if header is None:
+        return
+    shape, dtype = header
+    if dtype.hasobject:
+        return  # np.load(allow_pickle=False) refuses it with its own message
+    want = math.prod(shape) * dtype.itemsize
+    have = nbytes - fp.tell()
+    if want != have:
+        raise InputProblem(
+            f"{where}: cannot read it: the array header says shape {shape} of {dtype} ({want} bytes of data) but "
+            f"the file holds {have} bytes after it. The file is corrupted or was not written completely; save it again."
+        )
+
+
+# deflate expands at most ~1032:1; a member declaring more is corrupted (or a zip bomb)
+_MAX_DEFLATE_RATIO = 1100
+
+
+def _npz_problems(path: Path) -> dict[str, str]:
+    """``{key: message}`` for the members of a ``.npz`` archive whose declared sizes do not add up."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            key = info.filename[: -len(".npy")]
+            where = f"{path}:{key}"
+            if (info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size) or (
+                info.compress_type == zipfile.ZIP_DEFLATED
+                and info.file_size > _MAX_DEFLATE_RATIO * info.compress_size + 4096
+            ):
+                out[key] = (
+                    f"{where}: cannot read it: the archive says this member expands from {info.compress_size} to "
+                    f"{info.file_size} bytes, which its compression cannot do. The archive is corrupted; save it "
+                    "again with np.savez."
+                )
+                continue
+            try:
+                with zf.open(info) as fp:
+                    _check_npy(fp, info.file_size, where)
+            except InputProblem as e:
+                out[key] = str(e)
+    return out
+
+
 def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
@@ -142,10 +225,21 @@ def load_tensors(paths: Iterable[str | Path], names: Sequence[str] | None = None
     """
     found: list[tuple[Path, str, object]] = []  # (path, key, thunk)
     problems: list[str] = []
-    for p in map(Path, paths):
+    seen: dict[tuple[int, int], str] = {}  # file identity -> the path it was first given as
+    for given in paths:
+        p = Path(given)
         if not p.exists():
             problems.append(f"{p}: no such file. Check the path (it is relative to {Path.cwd()}).")
             continue
+        st = p.stat()
+        ident = (st.st_dev, st.st_ino)
+        if ident in seen:
+            problems.append(
+                f"{seen[ident]}: given more than once (again as {os.fspath(given)}); it is analysed once. "
+                f"Pass each file once."
+            )
+            continue
+        seen[ident] = os.fspath(given)
         if p.is_dir() or p.suffix.lower() == ".gguf":
             # a published checkpoint (folder with config.json / hf_quant_config.json, or .gguf):
             # quantized weights are analysed as the values the checkpoint holds (dequantized)
@@ -161,11 +255,17 @@ def load_tensors(paths: Iterable[str | Path], names: Sequence[str] | None = None
         suffix = p.suffix.lower()
         try:
             if suffix == ".npy":
+                with open(p, "rb") as fp:
+                    _check_npy(fp, os.fstat(fp.fileno()).st_size, str(p))
                 arr = np.load(p, allow_pickle=False)
                 found.append((p, p.stem, lambda arr=arr: arr))
             elif suffix == ".npz":
+                bad = _npz_problems(p)
                 with np.load(p, allow_pickle=False) as z:
                     for key in z.files:
+                        if key in bad:
+                            problems.append(bad[key])
+                            continue
                         try:
                             arr = z[key]
                         except Exception as e:
@@ -181,24 +281,22 @@ def load_tensors(paths: Iterable[str | Path], names: Sequence[str] | None = None
                 problems.append(
                     f"{p}: unsupported file type {suffix or '(none)'!r}; pass .npy, .npz or .safetensors files."
                 )
+        except InputProblem as e:
+            problems.append(str(e))
         except Exception as e:
             kind = {".npy": "a .npy file (np.save)", ".npz": "a .npz archive (np.savez)"}.get(
                 suffix, "a .safetensors file"
             )
             problems.append(f"{p}: cannot read it as {kind}: {_reason(e)}. Is the file complete and of that type?")
 
-    counts: dict[str, int] = {}
-    for _, key, _ in found:
-        counts[key] = counts.get(key, 0) + 1
+    display = _tensor_names([(p, key) for p, key, _ in found])
     wanted = set(names or ())
     matched: set[str] = set()
     tensors: list[Tensor] = []
     floats_per_file: dict[Path, int] = {}
     others_per_file: dict[Path, list[str]] = {}
-    for p, key, thunk in found:
-        qualified = f"{p.name}:{key}"
-        name = key if counts[key] == 1 else qualified
-        hit = {key, qualified, name, f"{p}:{key}"} & wanted
+    for (p, key, thunk), name in zip(found, display, strict=True):
+        hit = {key, name, f"{p.name}:{key}", f"{p}:{key}"} & wanted
         if wanted and not hit:
             continue
         matched |= hit
@@ -225,9 +323,46 @@ def load_tensors(paths: Iterable[str | Path], names: Sequence[str] | None = None
                     f"to analyse. Save the float weights/activations (x.astype(np.float32)) instead."
                 )
     for missing in sorted(wanted - matched):
-        available = ", ".join(sorted({k if counts[k] == 1 else f"{p.name}:{k}" for p, k, _ in found})) or "none"
+        available = ", ".join(sorted(set(display))) or "none"
         problems.append(f"--tensor {missing}: no tensor of that name in the given files. Available: {available}.")
     return tensors, problems
+
+
+def _tensor_names(found: Sequence[tuple[Path, str]]) -> list[str]:
+    """A distinct display name for each ``(file, key)``.
+
+    A key held by one file is the name. A key held by several files is qualified by the shortest
+    trailing part of the file paths that tells them apart (``a/w.npy`` and ``b/w.npy``, or
+    ``x.npz:w`` and ``y.npz:w``); for ``.npy`` files, whose key is their stem, the path alone.
+    """
+    groups: dict[str, list[Path]] = {}
+    for p, key in found:
+        groups.setdefault(key, []).append(p)
+    suffix: dict[tuple[str, Path], str] = {}
+    for key, files in groups.items():
+        if len(files) < 2:
+            continue
+        parts = [p.resolve().parts for p in files]
+        for k in range(1, max(map(len, parts)) + 1):
+            tails = [PurePosixPath(*ps[-k:]).as_posix() for ps in parts]
+            if len(set(tails)) == len(tails):
+                break
+        for p, tail in zip(files, tails, strict=True):
+            suffix[(key, p)] = tail
+    names, taken = [], set()
+    for p, key in found:
+        if (key, p) not in suffix:
+            name = key
+        elif p.suffix.lower() == ".npy":
+            name = suffix[(key, p)]
+        else:
+            name = f"{suffix[(key, p)]}:{key}"
+        base, i = name, 2
+        while name in taken:  # a key that happens to equal another tensor's qualified name
+            name, i = f"{base} ({i})", i + 1
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _reason(e: BaseException) -> str:
@@ -320,17 +455,20 @@ def measure(x: np.ndarray, fmt: ScaledFormat, *, repeats: int = 3, compiled=None
     exact = noise == 0.0
     if exact:
         sqnr = math.inf
-    elif signal == 0.0:
+    elif signal == 0.0 or noise == math.inf:  # nothing to measure against, or the round trip overflowed
         sqnr = -math.inf
     else:
-        sqnr = 10.0 * math.log10(signal / noise) if math.isfinite(noise) else math.nan
+        sqnr = 10.0 * math.log10(signal / noise)  # NaN if the round trip produced NaN
     ae = np.abs(err, out=err)
     max_rel = float(np.max(np.divide(ae, ax, out=np.zeros_like(ae), where=nz), initial=0.0))
     size = max(x.size, 1)
     mx = float(fmt.max_value)
     at_max = np.abs(elems) == np.float32(mx)
-    sat = np.count_nonzero(ax[at_max] > np.abs(y[at_max]) * (1.0 + _half_step_at_max(fmt.element) / mx))
+    # in float64, so that |y| near float32's maximum does not overflow
+    limit = np.abs(y[at_max]).astype(np.float64) * (1.0 + _half_step_at_max(fmt.element) / mx)
+    sat = np.count_nonzero(ax[at_max] > limit)
     flushed = np.count_nonzero(nz & (y == 0))
+    overflowed = np.count_nonzero(~np.isfinite(y))
     return {
         "bits_per_element": 8.0 * nbytes / size,
         "sqnr_db": sqnr,
@@ -338,6 +476,7 @@ def measure(x: np.ndarray, fmt: ScaledFormat, *, repeats: int = 3, compiled=None
         "max_rel_error": max_rel,
         "saturated_fraction": sat / size,
         "flushed_fraction": flushed / size,
+        "overflow_fraction": overflowed / size,
         "quantize_seconds": statistics.median(times),
     }
 
@@ -352,7 +491,8 @@ class CompareResult:
     ``records``: one dict per (tensor, format) with keys ``tensor``, ``source``, ``shape``,
     ``dtype``, ``format``, ``axis``, ``applicable``, ``reason``, ``bits_per_element``, ``sqnr_db``,
     ``exact``, ``max_rel_error``, ``saturated_fraction``, ``flushed_fraction``,
-    ``quantize_seconds``, ``recommended`` and ``recommended_overall``.
+    ``overflow_fraction``, ``quantize_seconds``, ``rejected_because`` (why an applicable format is
+    not acceptable, else ``None``), ``recommended`` and ``recommended_overall``.
     ``recommendations``: tensor name -> recommended format name (or ``None``).
     ``overall``: the one format for every tensor (or ``None``). ``problems``: input problems.
     """
@@ -362,21 +502,65 @@ class CompareResult:
     overall: str | None
     min_sqnr: float
     problems: list[str] = field(default_factory=list)
+    max_flushed: float = DEFAULT_MAX_FLUSHED
+    max_saturated: float = DEFAULT_MAX_SATURATED
 
     def to_json(self) -> list[dict]:
-        """The records with non-finite SQNR as ``None`` (valid JSON); ``exact`` tells why."""
+        """The records as strict JSON data (``json.dumps(..., allow_nan=False)`` works).
+
+        ``sqnr_db`` is ``None`` when the round trip is exact (``exact`` says so); every other
+        non-finite number is the string ``"inf"``, ``"-inf"`` or ``"nan"`` (``float()`` reads them back).
+        """
         out = []
         for r in self.records:
-            r = dict(r)
-            if r["sqnr_db"] is not None and not math.isfinite(r["sqnr_db"]):
+            r = {k: _json_number(v) for k, v in r.items()}
+            if r["exact"]:
                 r["sqnr_db"] = None
             out.append(r)
         return out
 
 
-def _clears(r, min_sqnr) -> bool:
+def _json_number(v):
+    """``v`` with non-finite floats as ``"inf"``, ``"-inf"`` or ``"nan"`` (strict JSON has no such numbers)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, list | tuple):
+        return [_json_number(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _json_number(x) for k, x in v.items()}
+    return v
+
+
+def _pct(f: float) -> str:
+    return f"{100 * f:.3g}%"
+
+
+def _rejection(r: dict, min_sqnr: float, max_flushed: float, max_saturated: float) -> str | None:
+    """Why the applicable record ``r`` is not acceptable (``None`` if it is); each criterion says which
+    limit it broke and the flag that sets it."""
+    if not r["applicable"]:
+        return None
+    why = []
+    if r["overflow_fraction"] > 0:
+        why.append(f"its round trip overflows to inf/NaN on {_pct(r['overflow_fraction'])} of the values")
     s = r["sqnr_db"]
-    return r["applicable"] and s is not None and not math.isnan(s) and s >= min_sqnr
+    if not r["exact"] and not (s >= min_sqnr):  # NaN fails too
+        why.append(f"SQNR {s:.2f} dB is below {min_sqnr:g} dB (--min-sqnr)")
+    if r["flushed_fraction"] > max_flushed:
+        why.append(
+            f"flushes {_pct(r['flushed_fraction'])} of the values to zero, more than {_pct(max_flushed)} "
+            "(--max-flushed)"
+        )
+    if r["saturated_fraction"] > max_saturated:
+        why.append(
+            f"saturates {_pct(r['saturated_fraction'])} of the values at its largest magnitude, more than "
+            f"{_pct(max_saturated)} (--max-saturated)"
+        )
+    return "; ".join(why) or None
+
+
+def _acceptable(r) -> bool:
+    return r["applicable"] and r["rejected_because"] is None
 
 
 def compare(
@@ -385,6 +569,8 @@ def compare(
     *,
     axis: int | None = None,
     min_sqnr: float = DEFAULT_MIN_SQNR,
+    max_flushed: float = DEFAULT_MAX_FLUSHED,
+    max_saturated: float = DEFAULT_MAX_SATURATED,
     repeats: int = 3,
     progress: bool = False,
 ) -> CompareResult:
@@ -395,6 +581,10 @@ def compare(
         formats: format names or :class:`ScaledFormat` values; default: every registered format.
         axis: the block / channel axis for formats that have one (default: each format's own).
         min_sqnr: the SQNR in dB a format must reach to be recommended.
+        max_flushed: the largest fraction of the elements (0..1) a recommended format may flush
+            to zero (nonzero input, zero output); default 5%.
+        max_saturated: the largest fraction of the elements a recommended format may clip at its
+            largest magnitude; default 1%.
         repeats: warm timed runs of ``quantize`` (the median is reported).
         progress: show a tqdm progress bar (if tqdm is installed).
 
@@ -407,6 +597,10 @@ def compare(
         tensors = [Tensor(k, np.asarray(v)) for k, v in tensors.items()]
     fmts, problems = resolve_formats(formats, axis)
     tensors = list(tensors)
+    names = [t.name for t in tensors]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"tensor names must be unique, but {', '.join(map(repr, twice))} appear more than once")
 
     prepared = []
     for t in tensors:
@@ -455,19 +649,21 @@ def compare(
             if isinstance(c, Exception):
                 reason = f"{fmt.name} does not fit {t.name} {tuple(x.shape)}: {_reason(c)}"
                 rec.update(applicable=False, reason=reason, bits_per_element=None, sqnr_db=None, exact=False)
-                rec.update(max_rel_error=None, saturated_fraction=None, flushed_fraction=None, quantize_seconds=None)
+                rec.update(max_rel_error=None, saturated_fraction=None, flushed_fraction=None)
+                rec.update(overflow_fraction=None, quantize_seconds=None)
                 problems.append(reason + ".")
             else:
                 if ref is None:
                     ref = _reference(x)
                 rec.update(measure(x, fmt, repeats=repeats, compiled=c, ref=ref))
+            rec["rejected_because"] = _rejection(rec, min_sqnr, max_flushed, max_saturated)
             rec["recommended"] = False
             rec["recommended_overall"] = False
             records.append(rec)
 
     recommendations: dict[str, str | None] = {}
     for t, _, _ in prepared:
-        ok = [r for r in records if r["tensor"] == t.name and _clears(r, min_sqnr)]
+        ok = [r for r in records if r["tensor"] == t.name and _acceptable(r)]
         best = min(ok, key=lambda r: (r["bits_per_element"], -r["sqnr_db"]), default=None)
         recommendations[t.name] = best["format"] if best else None
         if best:
@@ -479,11 +675,13 @@ def compare(
         totals = []
         for fmt in fmts:
             rs = [r for r in records if r["format"] == fmt.name and r["axis"] == getattr(fmt, "axis", None)]
-            if len(rs) == len(names) and all(_clears(r, min_sqnr) for r in rs):
+            if len(rs) == len(names) and all(_acceptable(r) for r in rs):
                 bits = sum(r["bits_per_element"] * math.prod(r["shape"]) for r in rs)
                 totals.append((bits, -min(r["sqnr_db"] for r in rs), fmt.name))
         if totals:
             overall = min(totals)[2]
             for r in records:
                 r["recommended_overall"] = r["format"] == overall
-    return CompareResult(records, recommendations, overall, float(min_sqnr), problems)
+    return CompareResult(
+        records, recommendations, overall, float(min_sqnr), problems, float(max_flushed), float(max_saturated)
+    )

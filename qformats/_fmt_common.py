@@ -12,10 +12,13 @@ def div(a, b):
     XLA on CPU rewrites a division by a constant or by a broadcast value (a scalar, or a block
     scale expanded to its elements) into a multiplication by the reciprocal, which can differ in
     the last bit; producers divide. The divisor is therefore broadcast to the result's shape
-    behind an optimization barrier, which XLA cannot see through.
+    behind an optimization barrier, which XLA cannot see through. It is broadcast by a select on
+    a predicate computed from the dividend, not with ``broadcast_to``: under ``vmap`` an unbatched
+    divisor would stay unbatched through ``broadcast_to`` (and ``ones_like``), and vmap's own
+    broadcast, outside the barrier, would be rewritten again.
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
-    shape = jnp.broadcast_shapes(a.shape, b.shape)
-    b = lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    a = jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, b.shape))
+    b = lax.optimization_barrier(jnp.where(a == a, b, b))
     return a / b

@@ -54,7 +54,8 @@ class RaggedBlocks2D(_layout.Layout):
     def block_shape(self, shape):
         self.grid(shape)
         n, k = shape[-2:]
-        bn, bk = min(self.rows, n), min(self.cols, k)
+        # An axis shorter than its block is one whole block; an empty axis has no blocks.
+        bn, bk = min(self.rows, n) or self.rows, min(self.cols, k) or self.cols
         if n % bn or k % bk:
             raise ValueError(
                 f"shape {tuple(shape)} has ragged {self.rows}x{self.cols} blocks (scale grid "

@@ -100,9 +100,18 @@ class Int4GroupFormat(ScaledFormat):
     def value_shape(self, data_shape):
         return (*tuple(data_shape)[:-1], data_shape[-1] * 8)
 
+    def check_input(self, x) -> None:
+        super().check_input(x)
+        self.data_shape(jnp.shape(x))
+        if not self.symmetric and jnp.ndim(x) != 2:
+            raise ValueError(
+                f"{self.name} packs its zero points along the rows (axis 0) of a 2-D [N, K] weight, "
+                f"but the input has shape {tuple(jnp.shape(x))}; reshape it to 2-D or use the symmetric "
+                f"format (ct_int4_g128)."
+            )
+
     def quantize(self, x):
         self.check_input(x)
-        self.data_shape(jnp.shape(x))
         x = jnp.asarray(x).astype(jnp.float32)
         sd = jnp.dtype(self.scale_dtype)
 

@@ -49,7 +49,9 @@ def normalize_axis(axis: int, ndim: int, what: str) -> int:
 
 
 def grid_shape(shape, block):
-    return tuple(n // b for n, b in zip(shape, block, strict=True))
+    """``shape // block`` per axis; a block spanning a whole empty axis (extent 0) is one block, so
+    per-tensor and per-channel layouts of a 0-size array keep their usual scale shapes."""
+    return tuple(n // b if b else 1 for n, b in zip(shape, block, strict=True))
 
 
 def block_reduce(x, block, reducer=jnp.max):
@@ -204,7 +206,9 @@ def block_amax(x, block, *, exact: bool = False):
     """
     x = jnp.asarray(x, jnp.float32)
     grid = grid_shape(x.shape, block)
-    cols = _columns_view(x.shape, block) if x.size else None
+    if not x.size:  # the max over no elements: 0, as for an all-zero block
+        return jnp.zeros(grid, jnp.float32)
+    cols = _columns_view(x.shape, block)
     if cols is not None:
         # One vectorised pass over the rows of a 2-D view: exact, and NaN-aware at no extra cost.
         m = _max_over_rows(reshape(_abs_bits(x), cols))
@@ -217,7 +221,7 @@ def block_amax(x, block, *, exact: bool = False):
 
     fast = None if exact else fast_block_max(x, block)
     if fast is None:
-        # empty, or blocks along a leading axis: the integer reduce over the reshaped array is
+        # blocks along a leading axis: the integer reduce over the reshaped array is
         # already contiguous and fast there.
         return exact_amax(x)
     # The float reduce_window is blind to NaN; a whole-tensor sum is NaN whenever x holds a NaN

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from qformats import _bits, _layout, _packing
+from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil", "rceil_log2")
@@ -19,36 +22,65 @@ def _check_mode(instance, attribute, value):
         raise ValueError(f"scale_mode={value!r} is not an MX scale mode; choose one of {SCALE_MODES}")
 
 
+def even_mbits(element) -> int:
+    """Mantissa width that the ``even`` scale mode rounds a block's amax to.
+
+    A float element's own ``mbits``; for an integer element ``code * step`` the number of fraction
+    bits of its grid in the top binade ``[2**emax, 2**(emax+1))``, ``emax - log2(step)`` (MXINT8:
+    6, the grid ``k / 64`` on ``[1, 2)``).
+    """
+    mbits = getattr(element, "mbits", None)
+    if mbits is not None:
+        return int(mbits)
+    step = getattr(element, "step", None)
+    if step is not None and math.log2(step).is_integer():
+        return int(element.emax - math.log2(step))
+    raise ValueError(
+        f"scale_mode='even' rounds the block amax to the element's mantissa width, but element "
+        f"{getattr(element, 'name', element)!r} has neither an 'mbits' field nor a power-of-two 'step'; "
+        f"use another scale mode."
+    )
+
+
 def e8m0_exponent(amax, element, mode: str):
     """Unbiased E8M0 scale exponent of each block from its ``amax`` (float32, >= 0).
 
     * ``floor`` (OCP MX spec): ``floor(log2(amax)) - emax``;
     * ``ceil``: ``ceil(log2(amax)) - emax``;
-    * ``even``: ``amax`` first rounded (nearest-even) to the element's mantissa width, then floor;
-      as in torchao, a block whose rounded ``amax`` overflows float32 gets a NaN scale;
-    * ``rceil`` (NVIDIA): ``ceil(log2(amax / max_value))``, so the block never saturates;
+    * ``even``: ``amax`` first rounded (nearest-even) to the element's mantissa width (see
+      :func:`even_mbits`), then floor; as in torchao, a block whose rounded ``amax`` overflows
+      float32 gets a NaN scale;
+    * ``rceil`` (NVIDIA): ``ceil(log2(amax / max_value))``, so the block never saturates; computed
+      exactly, without forming the quotient (which is a float32 subnormal for a block max below
+      ``max_value * 2**-126``, and XLA on CPU flushes those to zero);
     * ``rceil_log2``: ``rceil`` with the logarithm rounded to float32 before the ``ceil``, as torchao
       computes it (``torch.ceil(torch.log2(amax / max_value))``): just above a power of two the
       rounded logarithm is that power's exponent, so the scale is one step smaller than ``rceil``'s
-      and the block's largest element saturates.
+      and the block's largest element saturates. Where the quotient is below float32's smallest
+      normal, the exact ``rceil`` exponent is used (torch keeps the subnormal quotient).
 
     Clamped to E8M0's range ``[-127, 127]``; computed from the float32 bits. Returns
     ``(exponent, overflow)`` where ``overflow`` marks blocks whose scale must be NaN.
     """
     overflow = jnp.zeros(amax.shape, bool)
     if mode == "rceil":
-        e = _bits.ceil_log2(amax / np.float32(element.max_value))
+        e = _bits.rceil_exponent(amax, element.max_value)
     elif mode == "rceil_log2":
-        ratio = amax / np.float32(element.max_value)
-        safe = jnp.where(ratio >= np.float32(np.finfo(np.float32).tiny), ratio, np.float32(1))
-        e = jnp.where(ratio == safe, jnp.ceil(_bits.log2_f32(safe)).astype(jnp.int32), _bits.ceil_log2(ratio))
+        # The quotient is formed only where it is normal: amax >= max_value * tiny.
+        normal = amax >= np.float32(element.max_value * np.finfo(np.float32).tiny)
+        # A true division (div), as torch computes it: XLA would multiply by the reciprocal, and
+        # one ulp moves ceil(log2) just above a power of two.
+        ratio = div(jnp.where(normal, amax, np.float32(element.max_value)), element.max_value)
+        e = jnp.where(
+            normal, jnp.ceil(_bits.log2_f32(ratio)).astype(jnp.int32), _bits.rceil_exponent(amax, element.max_value)
+        )
     else:
         if mode == "floor":
             e = _bits.floor_log2(amax)
         elif mode == "ceil":
             e = _bits.ceil_log2(amax)
         else:  # even
-            mbits = getattr(element, "mbits", 0)
+            mbits = even_mbits(element)
             b = _bits.f32_bits(amax)
             b = (b + (1 << (_bits.F32_MANT_BITS - mbits - 1))) & _bits.F32_EXP_MASK
             overflow = b == _bits.F32_EXP_MASK
@@ -81,6 +113,18 @@ class MXFormat(ScaledFormat):
     ``float8_e8m0fnu`` per block. With ``packed=True`` sub-byte elements are packed along ``axis``
     (fp4: 2 per byte, fp6: 4 per 3 bytes); otherwise data are one code per byte (``uint8``) or the
     element's own dtype for 8-bit floats.
+
+    ``saturate_top`` chooses what happens at the top of float32's range, for blocks of finite
+    values whose amax is near ``FLT_MAX``:
+
+    * ``False`` (default, torchao's results bit for bit): ``ceil``, ``rceil`` and ``rceil_log2`` may
+      pick an exponent ``e`` with ``max_value * 2**e`` beyond ``FLT_MAX``, so the block's largest
+      elements dequantize to ``inf``; ``even`` gives the block a NaN scale when its rounded amax
+      overflows float32.
+    * ``True`` (the OCP spec's guarantee that finite input gives a finite scale and finite values):
+      the exponent is capped at ``127 - emax``, the largest with ``max_value * 2**e`` finite (the
+      ``floor`` rule never exceeds it), so such blocks saturate at ``max_value * 2**(127 - emax)``.
+      ``floor`` results are unchanged.
     """
 
     name: str
@@ -89,6 +133,7 @@ class MXFormat(ScaledFormat):
     block_size: int = 32
     scale_mode: str = attrs.field(default="floor", validator=_check_mode)
     packed: bool = True
+    saturate_top: bool = False
 
     @property
     def layout(self):
@@ -131,6 +176,9 @@ class MXFormat(ScaledFormat):
     def _scale(self, amax):
         """``(e, byte)``: each block's exponent and its E8M0 byte (255, NaN, for non-finite blocks)."""
         e, overflow = e8m0_exponent(amax, self.element, self.scale_mode)
+        if self.saturate_top:
+            e = jnp.minimum(e, 127 - self.element.emax)
+            overflow = jnp.zeros_like(overflow)
         nonfinite = ~(amax <= np.finfo(np.float32).max) | overflow
         return e, jnp.where(nonfinite, E8M0_NAN, e + 127).astype(jnp.uint8)
 
@@ -150,9 +198,10 @@ class MXFormat(ScaledFormat):
 
         The exact integer block max replaces the float one when ``x`` holds a NaN (the float max
         drops it) and, for ``ceil``/``even`` (which read the mantissa of a subnormal block max),
-        when a block max is below the smallest normal; ``floor``/``rceil`` depend on a subnormal or
-        zero block max only through its exponent field (0 either way) or through a float division
-        in which it reads as zero anyway, so the scales equal those of the exact block max.
+        when a block max is below the smallest normal; ``floor``/``rceil``/``rceil_log2`` depend on
+        a subnormal or zero block max only through its exponent field (0 either way) and through
+        a product with the subnormal as a factor, which XLA on CPU reads as zero anyway, so the
+        scales equal those of the exact block max.
 
         The element loop runs inside a second ``cond``: its fast branch, taken when ``x`` holds no
         NaN and every ``e < 127`` (so the scale is one normal power of two), leaves out the NaN
@@ -192,11 +241,25 @@ class MXFormat(ScaledFormat):
         return e8m0_to_f32(lax.bitcast_convert_type(scale, jnp.uint8))
 
     def dequantize(self, data, scale, dtype=jnp.float32):
-        """``decode(data) * 2**(byte - 127)``, applied without a subnormal multiplier."""
-        elems = self.decode(data)
+        """``decode(data) * 2**(byte - 127)``, applied without a subnormal multiplier.
+
+        Integer elements ``code * step`` (``step`` a power of two, MXINT8's ``2**-6``) are applied
+        as ``code * 2**(byte - 127 + log2(step))``: XLA folds a constant ``step`` into the block
+        factor, which is then a subnormal (read as zero) at the bottom of the E8M0 range.
+        """
+        step = getattr(self.element, "step", None) if not hasattr(self.element, "mbits") else None
+        if step is not None and math.log2(step).is_integer():
+            if self._packs:
+                data = _packing.unpack(data, self.element.bits, self.axis % data.ndim)
+            elems, shift = data.astype(jnp.float32), int(math.log2(step))
+        else:
+            elems, shift = self.decode(data), 0
         block = self.block_shape(elems.shape)
         b = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
-        head, tail = _bits.pow2_split(jnp.minimum(b, E8M0_NAN - 1) - 127)
+        if shift:
+            head, tail = _bits.pow2_split_wide(jnp.minimum(b, E8M0_NAN - 1) - 127 + shift)
+        else:
+            head, tail = _bits.pow2_split(jnp.minimum(b, E8M0_NAN - 1) - 127)
         head = jnp.where(b == E8M0_NAN, np.float32(np.nan), head)
         out = elems * _layout.expand(head, elems.shape, block) * _layout.expand(tail, elems.shape, block)
         return out.astype(dtype)

@@ -11,12 +11,24 @@ import numpy as np
 from jax import lax
 
 from qformats import _elements, _layout, _packing
+from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
 _E4M3 = _elements.FLOAT8_E4M3FN
 _FP4 = _elements.FLOAT4_E2M1FN
 _E4M3_TINY = np.float32(2.0**-6)
 _F32_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
+NAN_SCOPES = ("tensor", "block")
+# Factor applied to the input before dividing by a block's scale product, where that product
+# (tensor * block) would be a float32 subnormal: 2**32 makes it normal (it is >= 2**-132).
+_SUB_LIFT = np.float32(2.0**32)
+
+
+def _check_nan_scope(instance, attribute, value):
+    if value not in NAN_SCOPES:
+        raise ValueError(f"nan_scope={value!r}; choose one of {NAN_SCOPES}")
 
 
 class NVFP4Scale(NamedTuple):
@@ -34,8 +46,17 @@ class NVFP4Format(ScaledFormat):
       ``block = e4m3(clamp(block_amax / 6 / tensor, 2**-6, 448))``;
     * single-level: ``tensor = 1`` and ``block = e4m3(clamp(block_amax / 6, 2**-6, 448))``.
 
-    Elements are ``x / (tensor * block)`` rounded to fp4 (nearest even, saturating at 6). Inf
-    saturates (E4M3 has no Inf); NaN propagates to the block (single-level) or tensor (two-level).
+    Elements are ``x / (tensor * block)`` rounded to fp4 (nearest even, saturating at 6).
+
+    Non-finite values: Inf saturates within its block (E4M3 has no Inf: the block scale clamps to
+    448 and the Inf to 6 times it); the two-level tensor scale is computed from the amax of the
+    *finite* values, so an Inf affects only its own block. NaN makes its block NaN; in two-level
+    scaling with ``nan_scope="tensor"`` (default, torchao's result bit for bit) it makes the tensor
+    scale, and so the whole tensor, NaN; ``nan_scope="block"`` confines it to its block.
+
+    At the bottom of float32's range the tensor scale is at least ``2**-126``, and where
+    ``tensor * block`` is below float32's smallest normal (XLA on CPU would flush it) the two
+    factors are applied one after the other instead of as their float32 product.
     """
 
     name: str = "nvfp4"
@@ -44,6 +65,7 @@ class NVFP4Format(ScaledFormat):
     tensor_scale: bool = True
     packed: bool = True
     tile_axis: int | None = None
+    nan_scope: str = attrs.field(default="tensor", validator=_check_nan_scope)
 
     @property
     def element(self):
@@ -71,49 +93,87 @@ class NVFP4Format(ScaledFormat):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
-        code, tensor, total = self._scales(_layout.block_amax(x, block))
-        return self._encode(x, block, total, key), NVFP4Scale(code, tensor)
+        code, tensor, factors = self._scales(_layout.block_amax(x, block), x)
+        return self._encode(x, block, factors, key), NVFP4Scale(code, tensor)
 
     def quantize(self, x):
         self.check_input(x)
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
         amax = _layout.block_amax(x, block)
-        code, tensor, total = self._scales(amax)
+        code, tensor, factors = self._scales(amax, x)
         if _layout.has_fast_block_max(x.shape, block):
             # A cond (its branches are the same loop) makes XLA write the per-block scales out once
             # instead of re-deriving them (an E4M3 encode and decode) inside the element loop.
-            def encode(x, total):
-                return self._encode(x, block, total)
+            def encode(x, factors):
+                return self._encode(x, block, factors)
 
-            data = lax.cond(_layout.has_nan(x), encode, encode, x, total)
+            data = lax.cond(_layout.has_nan(x), encode, encode, x, factors)
         else:
-            data = self._encode(x, block, total)
+            data = self._encode(x, block, factors)
         return data, NVFP4Scale(code, tensor)
 
     def _pack(self, codes):
         return _packing.pack(codes, 4, self.axis % codes.ndim) if self.packed else codes
 
-    def _scales(self, amax):
-        """``(block code, tensor scale, block code value * tensor scale)`` from the block max."""
-        block_scale = amax / np.float32(_FP4.max_value)
+    def _scales(self, amax, x):
+        """``(block code, tensor scale, (lift, divisor))`` from the block max (and ``x``, for the
+        finite values' amax where a block holds NaN or Inf); elements are ``(x * lift) / divisor``:
+        ``(1, tensor * block)`` where that product is a normal float32, else
+        ``(2**32, (tensor * 2**32) * block)``."""
+        # True divisions (div), as torchao computes them; XLA would multiply by reciprocals.
+        block_scale = div(amax, _FP4.max_value)
         if self.tensor_scale:
-            tensor = jnp.max(amax) / np.float32(_E4M3.max_value * _FP4.max_value)
-            tensor = jnp.where(tensor == 0, np.float32(1), jnp.maximum(tensor, _F32_TINY))
-            block_scale = block_scale / tensor
+            finite = amax <= np.finfo(np.float32).max
+            # The tensor amax over the finite values: the block maxima's where every block is
+            # finite, else (rarely: a cond) a pass over the finite elements themselves.
+            t_amax = lax.cond(
+                jnp.all(finite),
+                lambda: jnp.max(amax, initial=np.float32(0)),
+                lambda: jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), np.float32(0)), initial=np.float32(0)),
+            )
+            tensor = div(t_amax, _E4M3.max_value * _FP4.max_value)
+            tensor = jnp.where(t_amax == 0, np.float32(1), jnp.maximum(tensor, _F32_TINY))
+            if self.nan_scope == "tensor":
+                tensor = jnp.where(jnp.any(jnp.isnan(amax)), np.float32(np.nan), tensor)
+            # amax / 6 is subnormal below 6 * 2**-126 (and reads as 0 here): divide lifted values.
+            low = amax < np.float32(_FP4.max_value * _F32_TINY)
+            lifted = div(div(amax * _SUB_LIFT, _FP4.max_value), tensor * _SUB_LIFT)
+            block_scale = jnp.where(low, lifted, div(block_scale, tensor))
         else:
             tensor = jnp.float32(1)
         code = _E4M3.encode(jnp.clip(block_scale, _E4M3_TINY, _E4M3.max_value))
         # Decoding the E4M3 code from its bits is cheaper than XLA's float8 convert (same values).
-        return code, tensor, tensor * _E4M3.decode(code)
+        block_value = _E4M3.decode(code)
+        total = tensor * block_value
+        sub = total < _F32_TINY
+        lift = jnp.where(sub, _SUB_LIFT, np.float32(1))
+        divisor = jnp.where(sub, (tensor * _SUB_LIFT) * block_value, total)
+        return code, tensor, (lift, divisor)
 
-    def _encode(self, x, block, total, key=None):
-        """Element data (packed if ``self.packed``) for per-block multipliers ``total``; with a PRNG
-        ``key`` the scaled elements round stochastically instead of to nearest."""
-        v = x / _layout.expand(total, x.shape, block)
+    def _encode(self, x, block, factors, key=None):
+        """Element data (packed if ``self.packed``) for per-block factors ``(lift, divisor)`` (see
+        :meth:`_scales`); with a PRNG ``key`` the scaled elements round stochastically instead of
+        to nearest."""
+        lift, divisor = factors
+        v = (x * _layout.expand(lift, x.shape, block)) / _layout.expand(divisor, x.shape, block)
         if key is not None:
             v = _FP4.stochastic_round(v, key)
         return self._pack(_FP4.encode(v))
+
+    def dequantize(self, data, scale, dtype=jnp.float32):
+        """``decode(data) * (tensor * block)``; where that product is below float32's smallest normal
+        (which XLA on CPU flushes), ``(decode(data) * block) * tensor`` instead."""
+        elems = self.decode(data)
+        grid = self.block_shape(elems.shape)
+        tensor = jnp.asarray(scale.tensor, jnp.float32)
+        block_value = scale.block.astype(jnp.float32)
+        total = tensor * block_value
+        sub = total < _F32_TINY
+        head = jnp.where(sub, block_value, total)
+        tail = jnp.where(sub, tensor, np.float32(1))
+        out = elems * _layout.expand(head, elems.shape, grid) * _layout.expand(tail, elems.shape, grid)
+        return out.astype(dtype)
 
     def decode(self, data):
         if self.packed:

@@ -9,6 +9,8 @@ import numpy as np
 from qformats import _elements, _layout
 from qformats._format import ScaledFormat
 
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
 
 @attrs.frozen
 class PerChannelIntFormat(ScaledFormat):
@@ -16,7 +18,10 @@ class PerChannelIntFormat(ScaledFormat):
 
     The channel axis is ``axis`` (default: last); the scale has the data's rank with size 1 on every
     other axis. Rounding is to nearest, ties to even. An all-zero channel gets scale 1; a channel
-    holding NaN or Inf gets a NaN scale.
+    holding NaN or Inf gets a NaN scale. A scale is at least float32's smallest normal (a channel
+    whose amax is below ``qmax * 2**-126`` then has codes below ``qmax``), and one float32 step
+    below ``amax / qmax`` where ``qmax * scale`` would round past ``FLT_MAX``, so finite channels
+    dequantize to finite values.
     """
 
     name: str = "int8_per_channel"
@@ -42,8 +47,11 @@ class PerChannelIntFormat(ScaledFormat):
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
         amax = _layout.block_amax(x, block)
-        scale = jnp.where(amax == 0, np.float32(1), amax / np.float32(self.element.qmax))
-        scale = jnp.where(amax <= np.finfo(np.float32).max, scale, np.float32(np.nan))
+        finite = amax <= np.finfo(np.float32).max
+        scale = jnp.where(amax == 0, np.float32(1), jnp.maximum(amax / np.float32(self.element.qmax), _TINY))
+        overflows = ~(scale * np.float32(self.element.qmax) <= np.finfo(np.float32).max) & finite
+        scale = jnp.where(overflows, jnp.nextafter(scale, np.float32(0)), scale)
+        scale = jnp.where(finite, scale, np.float32(np.nan))
         data = self.element.encode(x / _layout.expand(scale, x.shape, block))
         return data, scale
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _bits, _elements, _layout
+from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
 _TINY = np.float32(np.finfo(np.float32).tiny)
@@ -18,16 +19,8 @@ def _check_mode(instance, attribute, value):
         raise ValueError(f"{attribute.name}={value!r} is not a per-tensor scale mode; choose one of {SCALE_MODES}")
 
 
-def rceil_exponent(amax, max_value: float):
-    """Smallest integer ``e`` with ``amax * 2**-e <= max_value``, without a division.
-
-    Start from ``floor(log2(amax)) - floor(log2(max_value))``; the scaled amax then lies in
-    ``[2**emax, 2**(emax+1))`` and one exact comparison decides whether to step up.
-    """
-    emax = int(np.floor(np.log2(max_value)))
-    e = _bits.floor_log2(amax) - emax
-    scaled = _bits.mul_pow2(amax, jnp.clip(-e, -127, 127))
-    return e + (scaled > np.float32(max_value)).astype(jnp.int32)
+# Kept importable from here (it moved to _bits, which the MX formats share).
+rceil_exponent = _bits.rceil_exponent
 
 
 @attrs.frozen
@@ -37,8 +30,14 @@ class PerTensorFormat(ScaledFormat):
     ``scale_mode``:
 
     * ``"rceil"`` (default): ``scale = 2**ceil(log2(amax / max_value))``, the smallest power of two
-      that maps ``amax`` into range; it never saturates and applying it is exact.
-    * ``"exact"``: ``scale = amax / max_value`` (not rounded), so ``amax`` lands on ``max_value``.
+      that maps ``amax`` into range; it never saturates and applying it is exact. The exponent is
+      kept within ``[-126, 127 - emax]``: at the bottom the scale stays a normal float32, and at
+      the top ``max_value * scale`` stays finite (an amax beyond ``max_value * 2**(127 - emax)``
+      saturates there instead of rounding up to ``inf``).
+    * ``"exact"``: ``scale = amax / max_value`` (not rounded), so ``amax`` lands on ``max_value``;
+      at least float32's smallest normal, and one float32 step smaller where ``max_value * scale``
+      would overflow (an amax within an ulp of ``FLT_MAX``), so no finite input dequantizes to
+      ``inf``.
 
     A zero tensor gets scale 1; a tensor holding NaN or Inf gets a NaN scale.
     """
@@ -57,15 +56,20 @@ class PerTensorFormat(ScaledFormat):
         amax = _layout.block_amax(x, x.shape).reshape(()) if x.size else jnp.float32(0)
         finite = amax <= np.float32(np.finfo(np.float32).max)
         if self.scale_mode == "rceil":
-            e = jnp.clip(rceil_exponent(amax, self.max_value), -126, 127)
+            e = jnp.clip(_bits.rceil_exponent(amax, self.max_value), -126, 127 - self.element.emax)
             e = jnp.where(amax == 0, 0, e)
             scale = _bits.pow2(e)
             data = self.element.encode(_bits.mul_pow2(x, -e))
         else:
-            # max_value is a traced operand, not a constant: XLA would rewrite a division by a
-            # constant into a multiply by its reciprocal, which is subnormal for bf16's max.
-            ratio = amax / jnp.asarray(self.max_value, jnp.float32)
+            # A true division (div): XLA rewrites a division by a constant, eagerly or under jit,
+            # into a multiply by its reciprocal, which for bf16's max is a subnormal that reads as
+            # zero (every scale was then 2**-126 under jit).
+            max_value = jnp.asarray(self.max_value, jnp.float32)
+            ratio = div(amax, max_value)
             scale = jnp.where(amax == 0, np.float32(1), jnp.maximum(ratio, _TINY))
+            # max_value * scale may round past FLT_MAX (amax within an ulp of it): one step down.
+            overflows = ~(max_value * scale <= np.float32(np.finfo(np.float32).max)) & finite
+            scale = jnp.where(overflows, jnp.nextafter(scale, np.float32(0)), scale)
             data = self.element.encode(x / scale)
         scale = jnp.where(finite, scale, np.float32(np.nan))
         return data, scale

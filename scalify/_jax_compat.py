@@ -177,6 +177,18 @@ def explicit_sharding(x):
     return sharding
 
 
+def varying_axes(x) -> frozenset:
+    """Mesh axes over which ``x`` varies (empty outside shard_map or with check_vma=False)."""
+    try:
+        aval = jax.typeof(x)
+    except Exception:
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())  # JAX 0.6 - 0.9
+
+
 def logical_aval(shape, dtype, leaves):
     """``ShapeDtypeStruct(shape, dtype)`` carrying the explicit sharding and the shard_map varying
     axes of ``leaves`` (a ScaledArray's ``data`` first, then its scale leaves).

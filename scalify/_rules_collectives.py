@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from scalify._jax_compat import bind_eqn, p
+from scalify._jax_compat import bind_eqn, p, varying_axes
 from scalify._registry import register_rule
 from scalify._rules_common import F32, fold, per_tensor, rescale, safe_scale, sqrt_rescale
 from scalify._scaled_array import ScaledArray, normalize_scale, to_carrier
@@ -71,18 +71,6 @@ def _present(*prims):
     return [q for q in prims if q is not None]
 
 
-def _vma(x) -> frozenset:
-    """Mesh axes over which ``x`` varies (empty outside shard_map or with check_vma=False)."""
-    try:
-        aval = jax.typeof(x)
-    except Exception:
-        return frozenset()
-    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", None) or ())  # JAX 0.6 - 0.9
-
-
 def _axes(names) -> tuple:
     return tuple(names) if isinstance(names, (tuple, list)) else (names,)
 
@@ -121,7 +109,7 @@ def _outs(eqn, outs):
 
 def _common_scale(scale, axes, groups):
     """Elementwise max of ``scale`` over the mesh ``axes`` (skipped when it cannot differ)."""
-    if _vma(scale) and not (set(axes) & _vma(scale)):
+    if varying_axes(scale) and not (set(axes) & varying_axes(scale)):
         return scale  # check_vma proves the scale is the same on every shard
     return safe_scale(lax.pmax(scale, axes, axis_index_groups=groups))
 
@@ -248,7 +236,7 @@ def _all_gather(eqn, x):
     if not tiled:
         scale = jnp.expand_dims(scale, dim)
     data = lax.all_gather(data, axis_name, axis=dim, tiled=True, axis_index_groups=groups)
-    if jnp.ndim(c.scale) == 0 and _vma(c.scale) and not (set(_axes(axis_name)) & _vma(c.scale)):
+    if jnp.ndim(c.scale) == 0 and varying_axes(c.scale) and not (set(_axes(axis_name)) & varying_axes(c.scale)):
         return ScaledArray(data, c.scale)  # the same scalar on every shard
     scale = lax.all_gather(scale, axis_name, axis=dim, tiled=True, axis_index_groups=groups)
     return ScaledArray(data, scale)
@@ -262,7 +250,7 @@ def _all_gather(eqn, x):
 def _ppermute(eqn, x):
     axis_name, perm = eqn.params["axis_name"], eqn.params["perm"]
     data = lax.ppermute(x.data, axis_name, perm)
-    if _vma(x.scale) and not (set(_axes(axis_name)) & _vma(x.scale)):
+    if varying_axes(x.scale) and not (set(_axes(axis_name)) & varying_axes(x.scale)):
         return ScaledArray(data, x.scale)
     scale = lax.ppermute(x.scale, axis_name, perm)
     if len({dst for _, dst in perm}) < _group_size(_axes(axis_name), None):
@@ -336,7 +324,7 @@ def _psum_scatter(eqn, x):
 
 
 def _pvary_leaf(v, axes):
-    missing = tuple(a for a in axes if a not in _vma(v))
+    missing = tuple(a for a in axes if a not in varying_axes(v))
     if not missing:
         return v
     return lax.pcast(v, missing, to="varying")

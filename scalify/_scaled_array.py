@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 import qformats as qf
+from scalify._jax_compat import is_tracer
 
 
 @jax.tree_util.register_pytree_node_class
@@ -264,6 +265,38 @@ def _split_scalar(x):
     return ScaledArray(data, scale)
 
 
+def _concrete(scale):
+    """``scale`` as a NumPy array when its value is known now (not a tracer), else None."""
+    if is_tracer(scale):
+        return None
+    return np.asarray(scale, np.float32)
+
+
+def check_scale(scale, *, divides: bool):
+    """The scale contract: a ScaledArray's value is ``data * scale`` with ``scale >= 0``.
+
+    The rules read signs, maxima and orderings from the data alone (``abs``, ``max``, ``relu``,
+    ``sign``, comparisons), which holds only for a non-negative scale. ``divides`` (the carrier
+    form of ``as_scaled_array``, ``data = x / scale``) also needs it finite and non-zero: a zero or
+    non-finite divisor turns finite values into inf/NaN data. A traced scale cannot be checked
+    here; it is the caller's contract.
+    """
+    s = _concrete(scale)
+    if s is None:
+        return
+    if np.any(s < 0):
+        raise ValueError(
+            f"ScaledArray scales must be >= 0, got {scale!r}: the value is data * scale and the rules "
+            "take signs and orderings from the data. Put the sign in the data (pass -x with a positive scale)."
+        )
+    if divides and not np.all(np.isfinite(s) & (s > 0)):
+        raise ValueError(
+            f"as_scaled_array(x, scale=...) divides x by the scale, so it must be positive and finite, got "
+            f"{scale!r} (zero, NaN or Inf would make the data inf/NaN). Pass a positive finite scale, or "
+            "scaled_array(data, scale) to build a ScaledArray from its raw data and scale."
+        )
+
+
 def _as_scaled_leaf(x, scale, fmt):
     if fmt is not None:
         if isinstance(fmt, str):
@@ -288,6 +321,7 @@ def _as_scaled_leaf(x, scale, fmt):
         return ScaledArray(x if xp is jnp else np.asarray(x), np.ones((), np.float32))
     if not (_is_numpy(scale) or isinstance(scale, jax.Array)) or not _is_float(scale):
         scale = np.asarray(scale, np.float32)  # Python numbers and integer scales: float32
+    check_scale(scale, divides=True)
     grid = normalize_scale(jnp.asarray(scale, jnp.float32), np.shape(x))
     if xp is np and _is_numpy(scale):
         wide = np.promote_types(np.asarray(x).dtype, np.float32)
@@ -304,7 +338,8 @@ def as_scaled_array(x, scale=None, fmt=None):
     """Make ScaledArrays from an array or a pytree of arrays.
 
     * ``scale`` given: the value is kept and ``data = x / scale`` in ``x``'s dtype (carrier form).
-      ``scale`` may be a scalar or a block grid (rank-matched, each axis dividing ``x``'s).
+      ``scale`` may be a scalar or a block grid (rank-matched, each axis dividing ``x``'s); it must be
+      positive and finite (``ValueError`` otherwise, when its value is known at the call).
     * ``fmt`` given (a :class:`qformats.ScaledFormat` or a registered name): quantize with it.
     * neither: ``scale = 1``.
 
@@ -340,9 +375,11 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
     ``data * scale``), like ``npapi.array``: ``data`` is converted with ``npapi.asarray(data, dtype)``.
 
     ``npapi`` is ``jax.numpy`` (default) or ``numpy``. A non-floating ``scale`` becomes float32.
+    ``scale`` must be >= 0 (zero, Inf and NaN scales are accepted: the value is ``data * scale``).
     """
     data = npapi.asarray(data, dtype=dtype)
     scale = npapi.asarray(scale)
+    check_scale(scale, divides=False)
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         scale = scale.astype(np.float32)
     return ScaledArray(data, scale)

@@ -253,3 +253,211 @@ def test_plot(tmp_path, arrays):
         return
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- hostile inputs (issue #14) -------------------------------------------------------------------
+
+
+def test_same_base_name_in_two_folders_gets_distinct_names(tmp_path, arrays):
+    """a/w.npy and b/w.npy used to be reported together under one name ("w.npy:w")."""
+    for d, x in (("a", arrays["w"]), ("b", -2 * arrays["w"])):
+        (tmp_path / d).mkdir()
+        np.save(tmp_path / d / "w.npy", x)
+        np.savez(tmp_path / d / "m.npz", k=x)
+    proc, recs = compare_json("a/w.npy", "b/w.npy", "a/m.npz", "b/m.npz", "--formats", "fp8_e4m3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["tensor"] for r in recs] == ["a/w.npy", "b/w.npy", "a/m.npz:k", "b/m.npz:k"]
+    assert [r["source"] for r in recs] == ["a/w.npy", "b/w.npy", "a/m.npz", "b/m.npz"]
+    assert all(r["recommended"] for r in recs)
+    proc, recs = compare_json("a/w.npy", "b/w.npy", "--tensor", "b/w.npy", "--formats", "fp8_e4m3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["tensor"] for r in recs] == ["b/w.npy"]
+    text = run("compare", "a/w.npy", "b/w.npy", "--formats", "fp8_e4m3", "--repeats", "1", cwd=tmp_path).stdout
+    assert "a/w.npy" in text and "b/w.npy" in text
+
+
+def test_same_file_twice_is_analysed_once_and_flagged(tmp_path, arrays):
+    (tmp_path / "a").mkdir()
+    np.save(tmp_path / "a" / "w.npy", arrays["w"])
+    proc, recs = compare_json("a/w.npy", "./a/w.npy", tmp_path / "a" / "w.npy", "--formats", "fp8_e4m3", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert [r["tensor"] for r in recs] == ["w"]
+    assert "given more than once" in proc.stderr and "analysed once" in proc.stderr
+    assert "./a/w.npy" in proc.stderr
+
+
+def _strict_loads(text):
+    def refuse(name):
+        raise AssertionError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+OVERFLOWING_FORMAT = """
+import attrs, jax.numpy as jnp, numpy as np
+import qformats as qf
+
+INT8 = qf.IntElement("int8", bits=8, step=1.0, qmax=127)
+
+
+@attrs.frozen
+class Doubling(qf.ScaledFormat):
+    \"\"\"A broken format: its scale_values are twice the scale, so y = 2 x (overflows near FLT_MAX).\"\"\"
+
+    name: str = "test_doubling"
+
+    @property
+    def element(self):
+        return INT8
+
+    @property
+    def layout(self):
+        return qf.PerTensor()
+
+    def quantize(self, x):
+        x = jnp.asarray(x, jnp.float32)
+        scale = jnp.max(jnp.abs(x)) / np.float32(127)
+        return INT8.encode(x / scale), scale
+
+    def decode(self, data):
+        return INT8.decode(data)
+
+    def scale_values(self, scale):
+        return scale * np.float32(2)
+
+
+qf.register_format(Doubling())
+"""
+
+
+def test_json_is_strict_when_the_round_trip_overflows(tmp_path):
+    """A round trip that overflows to inf used to print "Infinity" (not JSON) in --json output; non-finite
+    numbers are now strings, and such a format is not recommended."""
+    (tmp_path / "overflowing_format.py").write_text(OVERFLOWING_FORMAT)
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    x[0, 0] = np.finfo(np.float32).max
+    np.save(tmp_path / "big.npy", x)
+    args = ("--repeats", "1", "big.npy", "--formats", "test_doubling,fp8_e4m3", "--import", "overflowing_format")
+    proc = run("compare", "--json", *args, cwd=tmp_path)
+    recs = _strict_loads(proc.stdout)
+    json.dumps(recs, allow_nan=False)
+    by = {r["format"]: r for r in recs}
+    bad = by["test_doubling"]
+    assert bad["max_rel_error"] == "inf" and bad["sqnr_db"] == "-inf" and not bad["exact"]
+    assert float(bad["max_rel_error"]) == math.inf
+    assert bad["overflow_fraction"] == pytest.approx(1 / x.size)
+    assert not bad["recommended"] and "overflow" in bad["rejected_because"]
+    assert by["fp8_e4m3"]["overflow_fraction"] == 0.0
+    text = run("compare", *args, cwd=tmp_path).stdout
+    assert "test_doubling: not recommended: its round trip overflows" in text
+
+
+def test_exact_sqnr_stays_null_and_inf_strings_parse(tmp_path):
+    np.save(tmp_path / "e.npy", np.array([[1.0, -2.0, 0.5, 0.0] * 8], np.float32))
+    proc = run("compare", "--json", "--repeats", "1", tmp_path / "e.npy", "--formats", "bf16")
+    rec = _strict_loads(proc.stdout)[0]
+    assert rec["exact"] and rec["sqnr_db"] is None and rec["rejected_because"] is None
+
+
+def gradient_like(shape=(64, 256), seed=0):
+    """Magnitudes log-uniform over 1e-12..1e-2 (ten decades), random signs."""
+    rng = np.random.default_rng(seed)
+    mag = np.exp(rng.uniform(np.log(1e-12), np.log(1e-2), size=shape))
+    return (mag * rng.choice([-1.0, 1.0], size=shape)).astype(np.float32)
+
+
+def test_format_that_flushes_most_values_is_not_recommended(tmp_path):
+    """NVFP4 reaches 20 dB on a gradient-like tensor (the largest values dominate the SQNR) while
+    flushing ~80% of the values to zero; it used to be recommended."""
+    g = gradient_like()
+    np.save(tmp_path / "g.npy", g)
+    args = (tmp_path / "g.npy", "--formats", "nvfp4,fp8_e4m3,bf16", "--min-sqnr", "20")
+    proc, recs = compare_json(*args)
+    assert proc.returncode == 0, proc.stderr
+    by = {r["format"]: r for r in recs}
+    assert by["nvfp4"]["sqnr_db"] >= 20 and by["nvfp4"]["flushed_fraction"] > 0.5
+    assert not by["nvfp4"]["recommended"] and not by["fp8_e4m3"]["recommended"]
+    assert "flushes" in by["nvfp4"]["rejected_because"] and "--max-flushed" in by["nvfp4"]["rejected_because"]
+    assert by["bf16"]["recommended"] and by["bf16"]["recommended_overall"]
+    assert by["bf16"]["flushed_fraction"] == 0.0
+    # the reported fraction is the independent count of nonzero inputs that come back as zero
+    y = g.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert by["bf16"]["flushed_fraction"] == np.mean((g != 0) & (y == 0))
+    text = run("compare", "--repeats", "1", *args).stdout
+    assert "nvfp4: not recommended" in text and "flushes" in text
+    # the threshold is a flag: allowing 100% restores the SQNR-only choice
+    proc, recs = compare_json(*args, "--max-flushed", "100")
+    assert [r["format"] for r in recs if r["recommended"]] == ["nvfp4"]
+
+
+def test_saturation_threshold(tmp_path):
+    x = np.full((4, 32), 1.0, np.float32)
+    x[:, 0] = 500.0  # mxfp8 (floor scale 1) clips each 500 to 448: 1/32 of the elements saturate
+    np.save(tmp_path / "s.npy", x)
+    proc, recs = compare_json(tmp_path / "s.npy", "--formats", "mxfp8", "--min-sqnr", "10", "--max-saturated", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert recs[0]["saturated_fraction"] == pytest.approx(1 / 32)
+    assert not recs[0]["recommended"] and "saturates" in recs[0]["rejected_because"]
+    _, recs = compare_json(tmp_path / "s.npy", "--formats", "mxfp8", "--min-sqnr", "10", "--max-saturated", "5")
+    assert recs[0]["recommended"]
+
+
+def test_cli_defaults_match_the_api():
+    from qformats import _cli, _compare
+
+    assert _cli.DEFAULT_MAX_FLUSHED_PCT / 100 == _compare.DEFAULT_MAX_FLUSHED
+    assert _cli.DEFAULT_MAX_SATURATED_PCT / 100 == _compare.DEFAULT_MAX_SATURATED
+    args = _cli.build_parser().parse_args(["compare"])
+    assert args.max_flushed / 100 == _compare.DEFAULT_MAX_FLUSHED
+    for bad in ("150", "-1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            _cli.build_parser().parse_args(["compare", "--max-flushed", bad])
+
+
+def _npy_bytes(x, shape):
+    """A .npy file of ``x``'s bytes whose header declares ``shape``."""
+    import io
+
+    buf = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(x.dtype), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue() + x.tobytes()
+
+
+def test_npy_header_is_checked_before_numpy_allocates(tmp_path):
+    """np.load allocates the array its header declares before reading: a corrupted .npz member declaring
+    4e9 elements made it allocate 16 GB. Declared sizes are now checked against the file first."""
+    import tracemalloc
+    import zipfile
+
+    from qformats import _compare
+
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:
+        z.writestr("w.npy", _npy_bytes(x, (4000000000,)))
+        z.writestr("ok.npy", _npy_bytes(x, (4, 4)))
+    (tmp_path / "short.npy").write_bytes(_npy_bytes(x, (4, 9)))
+    (tmp_path / "long.npy").write_bytes(_npy_bytes(x, (2, 4)))
+    tracemalloc.start()
+    try:
+        paths = [tmp_path / "huge.npz", tmp_path / "short.npy", tmp_path / "long.npy"]
+        tensors, problems = _compare.load_tensors(paths)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**26
+    assert [t.name for t in tensors] == ["ok"]
+    assert len(problems) == 3, problems
+    assert "huge.npz:w: cannot read it" in problems[0] and "(4000000000,)" in problems[0]
+    assert "short.npy: cannot read it" in problems[1] and "64 bytes after it" in problems[1]
+    assert "long.npy" in problems[2]
+    # a member that declares an impossible expansion
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("w.npy", _npy_bytes(x, (4, 4)))
+    raw = bytearray((tmp_path / "bomb.npz").read_bytes())
+    info = zipfile.ZipFile(tmp_path / "bomb.npz").infolist()[0]
+    for pos in (raw.index(b"PK\x03\x04") + 22, raw.index(b"PK\x01\x02") + 24):  # uncompressed size fields
+        raw[pos : pos + 4] = (info.compress_size * 5000).to_bytes(4, "little")
+    (tmp_path / "bomb.npz").write_bytes(bytes(raw))
+    tensors, problems = _compare.load_tensors([tmp_path / "bomb.npz"])
+    assert tensors == [] and "cannot do" in problems[0]

@@ -9,13 +9,19 @@ Layout of a file written by :func:`save`:
 * ``__metadata__`` (string to string): ``scalify.io.version`` and ``scalify.io.tree``, a JSON
   description of the containers (dict, list, tuple, None), each ScaledArray's format spec (registry
   name plus changed fields, see :mod:`scalify._serialization`) and logical dtype, and the scale's
-  own structure.
+  own structure; and ``qformats.header_sha256``, a digest of the rest of the header
+  (:data:`qformats._safetensors.DIGEST_KEY`).
 
-Nothing executable is stored; formats are rebuilt through :func:`qformats.get_format`.
+Nothing executable is stored; formats are rebuilt through :func:`qformats.get_format`. :func:`load`
+trusts nothing in the file: the header is validated (and checked against its digest) before any
+tensor is read, each tensor must be named by the tree exactly once, and each ScaledArray's data and
+scale must be what its format's ``quantize`` makes for that shape; anything else is a ``ValueError``
+naming the file and the leaf.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -134,7 +140,7 @@ def save(path, tree) -> None:
     tensors: dict[str, np.ndarray] = {}
     desc = _encode(tree, "", tensors)
     meta = {VERSION_KEY: str(VERSION), TREE_KEY: json.dumps(desc, separators=(",", ":"))}
-    _safetensors.write(path, tensors, meta)
+    _safetensors.write(path, tensors, meta, digest=True)
 
 
 def _to_jax(x: np.ndarray):
@@ -144,35 +150,128 @@ def _to_jax(x: np.ndarray):
     return jax.device_put(x)  # no second copy where the platform can alias the host buffer
 
 
-def _take(tensors, name, where):
-    if name not in tensors:
-        raise ScalifyIOError(f"{where}: the metadata names tensor {name!r}, which the file does not hold")
-    return tensors[name]
+_MALFORMED = (KeyError, TypeError, AttributeError, IndexError, OverflowError)
 
 
-def _decode(d, tensors, where):
+class _Ctx:
+    """State of one :func:`load`: the file's tensors and which tree leaf took each."""
+
+    def __init__(self, path, tensors):
+        self.path = path
+        self.tensors = tensors
+        self.used: dict[str, str] = {}
+
+    def where(self, prefix: str) -> str:
+        return f"{self.path}: tree leaf {prefix or '(root)'!r}"
+
+    def take(self, name, prefix):
+        where = self.where(prefix)
+        if not isinstance(name, str):
+            raise ScalifyIOError(f"{where}: malformed tensor reference {name!r:.80} (a tensor name is a string)")
+        if name not in self.tensors:
+            raise ScalifyIOError(f"{where}: the metadata names tensor {name!r}, which the file does not hold")
+        if name in self.used:
+            raise ScalifyIOError(
+                f"{where}: the metadata names tensor {name!r} twice (also for leaf {self.used[name]!r}); save "
+                f"writes each leaf once, so the file was edited or corrupted"
+            )
+        self.used[name] = prefix
+        return self.tensors[name]
+
+
+def _node(d, where):
+    """The single ``(kind, value)`` of a tree description node."""
+    if not isinstance(d, dict) or not d:
+        raise ScalifyIOError(f"{where}: malformed scalify tree description {d!r:.200}")
+    if "node" in d:
+        return "node", d
+    if len(d) != 1:
+        raise ScalifyIOError(f"{where}: malformed scalify tree description {d!r:.200} (one kind per node)")
+    return next(iter(d.items()))
+
+
+def _decode_scale(d, ctx: _Ctx, prefix: str):
     if d is None:
         return None
-    if not isinstance(d, dict) or not d:
-        raise ScalifyIOError(f"{where}: malformed scalify tree description {d!r}")
-    if "node" in d:  # a registered scale class (NamedTuple, attrs, dataclass)
-        cls = _serialization.scale_type_by_name(d["node"], where=where)
-        return cls(**{k: _decode(c, tensors, where) for k, c in d["fields"].items()})
-    kind = next(iter(d))
-    v = d[kind]
+    kind, v = _node(d, ctx.where(prefix))
+    if kind == "node":  # a registered scale class (NamedTuple, attrs, dataclass)
+        cls = _serialization.scale_type_by_name(d["node"], where=ctx.where(prefix))
+        return cls(**{k: _decode_scale(c, ctx, _join(prefix, k)) for k, c in d["fields"].items()})
     if kind == "array":
-        return _take(tensors, v, where)
+        return ctx.take(v, prefix)
     if kind == "dict":
-        return {k: _decode(c, tensors, where) for k, c in v.items()}
+        return {k: _decode_scale(c, ctx, _join(prefix, k)) for k, c in v.items()}
     if kind in ("list", "tuple"):
-        items = [_decode(c, tensors, where) for c in v]
+        items = [_decode_scale(c, ctx, _join(prefix, i)) for i, c in enumerate(v)]
+        return items if kind == "list" else tuple(items)
+    raise ScalifyIOError(f"{ctx.where(prefix)}: unknown scale node kind {kind!r:.80} in the scalify metadata")
+
+
+def _describe(data, scale) -> str:
+    parts = [f"data {tuple(data.shape)} {np.dtype(data.dtype)}"]
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(scale)[0]:
+        parts.append(f"scale{jax.tree_util.keystr(kp)} {tuple(leaf.shape)} {np.dtype(leaf.dtype)}")
+    return ", ".join(parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _expected(fmt, data_shape):
+    """``(value shape, abstract (data, scale))`` that ``fmt.quantize`` makes for stored data of
+    ``data_shape``, or the exception saying why it cannot (cached: a model repeats its shapes)."""
+    try:
+        shape = tuple(fmt.value_shape(data_shape))
+        return shape, jax.eval_shape(fmt.quantize, jax.ShapeDtypeStruct(shape, jnp.float32))
+    except Exception as e:  # the format cannot hold data of this shape (or its fields are not valid)
+        return None, e
+
+
+def _check_scaled(fmt, data, scale, where):
+    """The stored data and scale are what ``fmt.quantize`` makes for a value of their logical shape."""
+    if fmt is None:
+        return
+    try:
+        shape, want = _expected(fmt, tuple(np.shape(data)))
+    except TypeError:  # a format with an unhashable field: not cached
+        shape, want = _expected.__wrapped__(fmt, tuple(np.shape(data)))
+    if isinstance(want, Exception):
+        raise ScalifyIOError(
+            f"{where}: format {fmt.name} ({fmt!r:.200}) does not fit the stored data {tuple(np.shape(data))}: "
+            f"{type(want).__name__}: {want}"
+        )
+    got = (data, scale)
+    ok = jax.tree.structure(want) == jax.tree.structure(got) and all(
+        (tuple(w.shape), np.dtype(w.dtype)) == (tuple(g.shape), np.dtype(g.dtype))
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True)
+    )
+    if not ok:
+        raise ScalifyIOError(
+            f"{where}: the stored {_describe(data, scale)} does not fit format {fmt.name} for a {shape} value, "
+            f"which has {_describe(*want)}; the file was edited or corrupted"
+        )
+
+
+def _decode(d, ctx: _Ctx, prefix: str):
+    if d is None:
+        return None
+    where = ctx.where(prefix)
+    kind, v = _node(d, where)
+    if kind == "array":
+        return ctx.take(v, prefix)
+    if kind == "dict":
+        return {k: _decode(c, ctx, _join(prefix, k)) for k, c in v.items()}
+    if kind in ("list", "tuple"):
+        items = [_decode(c, ctx, _join(prefix, i)) for i, c in enumerate(v)]
         return items if kind == "list" else tuple(items)
     if kind == "scaled":
         fmt = _serialization.format_from_spec(v["fmt"], where=where)
-        data = _take(tensors, v["data"], where)
-        scale = _decode(v["scale"], tensors, where)
-        return ScaledArray(data, scale, fmt=fmt, dtype=None if v["dtype"] is None else jnp.dtype(v["dtype"]))
-    raise ScalifyIOError(f"{where}: unknown node kind {kind!r} in the scalify metadata")
+        data = ctx.take(v["data"], _join(prefix, "data"))
+        scale = _decode_scale(v["scale"], ctx, _join(prefix, "scale"))
+        dtype = None if v["dtype"] is None else jnp.dtype(v["dtype"])
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            raise ScalifyIOError(f"{where}: logical dtype {dtype} is not floating; a ScaledArray holds floating values")
+        _check_scaled(fmt, data, scale, where)
+        return ScaledArray(data, scale, fmt=fmt, dtype=dtype)
+    raise ScalifyIOError(f"{where}: unknown node kind {kind!r:.80} in the scalify metadata")
 
 
 def _from_checkpoint(path: Path, why: str):
@@ -226,15 +325,30 @@ def load(path):
         )
     try:
         desc = json.loads(meta[TREE_KEY])
-    except json.JSONDecodeError as e:
+    except RecursionError:
+        raise ScalifyIOError(f"{path}: the {TREE_KEY!r} metadata is nested too deeply; the file is corrupted") from None
+    except ValueError as e:
         raise ScalifyIOError(
             f"{path}: the {TREE_KEY!r} metadata is not valid JSON ({e}); the file is corrupted"
         ) from None
     # Converted one at a time, so the host copy of only one tensor is alive besides the result.
+    # (read_header has validated every offset and size against the file before this reads a byte.)
     tensors = {name: _to_jax(arr) for name, arr in _safetensors.iter_tensors(path)}
+    ctx = _Ctx(path, tensors)
     try:
-        return _decode(desc, tensors, str(path))
-    except (qf.UnknownFormatError, _serialization.FormatSerializationError):
+        tree = _decode(desc, ctx, "")
+    except (qf.UnknownFormatError, _serialization.FormatSerializationError, ScalifyIOError):
         raise
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ScalifyIOError(f"{path}: the {TREE_KEY!r} metadata is malformed ({type(e).__name__}: {e})") from None
+    except RecursionError:
+        raise ScalifyIOError(f"{path}: the {TREE_KEY!r} metadata is nested too deeply; the file is corrupted") from None
+    except _MALFORMED as e:
+        raise ScalifyIOError(
+            f"{path}: the {TREE_KEY!r} metadata is malformed ({type(e).__name__}: {e}); the file is corrupted"
+        ) from None
+    unused = [n for n in tensors if n not in ctx.used]
+    if unused:
+        raise ScalifyIOError(
+            f"{path}: the file holds tensor(s) {', '.join(map(repr, unused))} not named by its {TREE_KEY!r} "
+            f"metadata; save writes exactly the tree's leaves, so the file was edited or corrupted"
+        )
+    return tree
