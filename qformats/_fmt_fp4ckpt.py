@@ -16,6 +16,8 @@ Both pack two E2M1 codes per byte along the last axis, element ``2j`` in the low
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,8 @@ class NVFP4CheckpointFormat(ScaledFormat):
     ``g = amax / (6 * 448)``, ``block = e4m3(clamp(block_amax / 6 / g, 2**-9, 448))``, 1.0 for an all-zero
     block; then ``code = fp4(x / eff)`` (nearest even, saturating). An all-zero tensor gets ``g = 1``.
     """
+
+    axis_fields: ClassVar[tuple[str, ...]] = ("axis",)
 
     name: str = "ct_nvfp4"
     global_scale: str = attrs.field(default="divisor", validator=_check_global)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
+from typing import ClassVar
 
 import attrs
 import jax
@@ -31,6 +32,11 @@ class ScaledFormat(abc.ABC):
     """
 
     name: str
+
+    #: The fields that name data axes (``("axis",)``, NVFP4's ``("axis", "tile_axis")``): what
+    #: :meth:`reindex` moves. A format whose layout has no axis, or counts its axes from the end
+    #: (negative and fixed, as GGUF's last-axis blocks), leaves it empty.
+    axis_fields: ClassVar[tuple[str, ...]] = ()
 
     # -- the contract -----------------------------------------------------------------------------
     @property
@@ -104,6 +110,34 @@ class ScaledFormat(abc.ABC):
         return None
 
     # -- derived ----------------------------------------------------------------------------------
+    def reindex(self, rank: int, *, insert: int | None = None, remove: int | None = None) -> ScaledFormat | None:
+        """This format for data of rank ``rank`` with one axis inserted at ``insert`` (a stacked or
+        gathered dimension: the result has rank ``rank + 1``) or removed at ``remove`` (a mapped
+        dimension), its blocks still on the same data axes.
+
+        Each field of :attr:`axis_fields` moves with its axis; a negative axis counts from the end
+        and stays negative. ``None`` when ``remove`` is an axis the format scales along (its scale
+        varies there: the items cannot share it). A format with no axis fields is returned as is.
+        """
+        if (insert is None) == (remove is None):
+            raise ValueError("reindex takes exactly one of insert= and remove=")
+        changes = {}
+        for name in self.axis_fields:
+            ax = getattr(self, name)
+            if ax is None:
+                continue
+            n = ax % rank
+            if remove is not None:
+                if n == remove % rank:
+                    return None
+                new = (ax if remove % rank < n else ax + 1) if ax < 0 else n - (remove % rank < n)
+            else:
+                k = insert % (rank + 1)
+                new = (ax if k <= n else ax - 1) if ax < 0 else n + (k <= n)
+            if new != ax:
+                changes[name] = new
+        return self.replace(**changes) if changes else self
+
     def dequantize(self, data, scale, dtype=jnp.float32):
         """``decode(data) * expand(scale_values(scale))`` cast to ``dtype``."""
         elems = self.decode(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import attrs
 import jax.numpy as jnp
@@ -126,6 +127,8 @@ class MXFormat(ScaledFormat):
       ``floor`` rule never exceeds it), so such blocks saturate at ``max_value * 2**(127 - emax)``.
       ``floor`` results are unchanged.
     """
+
+    axis_fields: ClassVar[tuple[str, ...]] = ("axis",)
 
     name: str
     element: object

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import attrs
 import jax
@@ -58,6 +58,8 @@ class NVFP4Format(ScaledFormat):
     ``tensor * block`` is below float32's smallest normal (XLA on CPU would flush it) the two
     factors are applied one after the other instead of as their float32 product.
     """
+
+    axis_fields: ClassVar[tuple[str, ...]] = ("axis", "tile_axis")
 
     name: str = "nvfp4"
     axis: int = -1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,8 @@ class PerChannelIntFormat(ScaledFormat):
     below ``amax / qmax`` where ``qmax * scale`` would round past ``FLT_MAX``, so finite channels
     dequantize to finite values.
     """
+
+    axis_fields: ClassVar[tuple[str, ...]] = ("axis",)
 
     name: str = "int8_per_channel"
     axis: int = -1

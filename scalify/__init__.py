@@ -23,7 +23,7 @@ from scalify import (
 )
 from scalify._config import Pow2RoundMode, ScalifyConfig, get_config, pow2_round
 from scalify._interpreter import scalify
-from scalify._registry import RULES, Rule, ScalifyUnsupportedError, register_rule
+from scalify._registry import GROUPS, RULES, Group, Rule, ScalifyUnsupportedError, register_rule
 from scalify._scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from scalify._sharding import device_put, scaled_sharding
 from scalify._vmap import vmap
@@ -34,7 +34,9 @@ _serialization.install()
 del _rules_additive, _rules_collectives, _rules_commuting, _rules_control, _rules_multiplicative, _rules_nonlinear
 
 __all__ = [
+    "GROUPS",
     "RULES",
+    "Group",
     "Pow2RoundMode",
     "Rule",
     "ScaledArray",

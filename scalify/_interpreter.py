@@ -26,9 +26,6 @@ from scalify._rules_common import (
 )
 from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
 
-# Groups whose output format follows the input format under ScalifyConfig(keep_format=True).
-_FORMAT_KEEPING_GROUPS = ("commuting", "additive", "multiplicative-elementwise")
-
 _ALWAYS_CACHE: dict[int, tuple[object, bool]] = {}
 
 
@@ -72,7 +69,7 @@ def _needs_rule(eqn, invals) -> bool:
     rule = RULES.get(eqn.primitive)
     if rule is not None and rule.always:
         return True
-    if rule is not None and rule.group == "control":
+    if rule is not None and rule.control:
         from jax.extend.core import jaxprs_in_params
 
         return any(_contains_always(j) for j in jaxprs_in_params(eqn.params))
@@ -88,7 +85,7 @@ def _first_format(invals):
 
 def _maybe_keep_format(rule, invals, outs):
     fmt = _first_format(invals)
-    if fmt is None or rule.group not in _FORMAT_KEEPING_GROUPS:
+    if fmt is None or not rule.keeps_format:
         return outs
     res = []
     for o in outs:
@@ -216,9 +213,9 @@ def _eval_jaxpr(jaxpr, consts, *args):
             outs = rule.fn(eqn, *args_)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            if rule.group == "commuting":
+            if rule.carries_bound:
                 _carry_bound(args_, outs)
-            if rule.group != "control":
+            if not rule.control:
                 # A control-flow rule's outputs come from an interpreted body that sealed them.
                 outs = [_seal(o, sealed) for o in outs]
             if keep:

@@ -183,19 +183,15 @@ def _gather_bytes(x, axis_name, dim, groups):
     return lax.all_gather(x, axis_name, axis=dim, tiled=True, axis_index_groups=groups)
 
 
-def _fmt_fitting(fmt, value_shape, scale_shape):
-    """``fmt`` (or it with its axis shifted by an inserted dim) if its scale grid is ``scale_shape``."""
-    cands = [fmt]
-    axis = getattr(fmt, "axis", None)
-    if isinstance(axis, int) and axis >= 0:
-        cands.append(fmt.replace(axis=axis + 1))
-    for f in cands:
-        try:
-            if tuple(f.scale_shape(value_shape)) == tuple(scale_shape):
-                return f
-        except (ValueError, IndexError):
-            continue
-    return None
+def _fmt_fitting(fmt, value_shape, scale_shape, inserted):
+    """``fmt`` for the gathered value (its axes moved past the new axis ``inserted``, unless
+    ``None``) if that format's scale grid is ``scale_shape``, else ``None``."""
+    if inserted is not None:
+        fmt = fmt.reindex(len(value_shape) - 1, insert=inserted)
+    try:
+        return fmt if fmt is not None and tuple(fmt.scale_shape(value_shape)) == tuple(scale_shape) else None
+    except (ValueError, IndexError):
+        return None
 
 
 @register_rule(
@@ -212,7 +208,9 @@ def _all_gather(eqn, x):
     groups = prm.get("axis_index_groups")
     if not isinstance(x, ScaledArray):
         return lax.all_gather(x, axis_name, axis=dim, tiled=tiled, axis_index_groups=groups)
-    if x.fmt is not None and not isinstance(x.scale, tuple):
+    # A scale of several leaves (NVFP4's two levels) has a per-tensor leaf that differs between
+    # shards, which the format cannot hold: such operands gather as carriers.
+    if x.fmt is not None and jax.tree_util.treedef_is_leaf(jax.tree.structure(x.scale)):
         fmt = x.fmt
         data = x.data if tiled else jnp.expand_dims(x.data, dim)
         scale = jnp.asarray(x.scale)
@@ -223,7 +221,7 @@ def _all_gather(eqn, x):
             scale = jnp.expand_dims(scale, dim)
         scale = _gather_bytes(scale, axis_name, dim, groups)
         value_shape = fmt.value_shape(tuple(data.shape))
-        keep = _fmt_fitting(fmt, value_shape, scale.shape)
+        keep = _fmt_fitting(fmt, value_shape, scale.shape, None if tiled else dim)
         if keep is not None:
             return ScaledArray(data, scale, fmt=keep, dtype=x.dtype)
         # Per-shard scales that the format cannot express (per-tensor formats): decode to a carrier

@@ -207,11 +207,25 @@ def promote(x, *, zero_adopts=True):
     return ScaledArray(arr, jnp.ones((), F32))
 
 
+def finite_max(s):
+    """The largest finite entry of a scale grid, 1 when there is none.
+
+    A NaN or Inf block scale (a format's block holding a NaN or Inf) must not become the scale of
+    the other blocks: divided by this finite scale, it moves into the data of its own block only.
+    """
+    s = cast(s, F32)
+    return safe_scale(jnp.max(lax.select(lax.is_finite(s), s, lax.full_like(s, 0.0))))
+
+
 def fold(x: ScaledArray) -> ScaledArray:
-    """Per-tensor form of a carrier: scale = max block scale (power of two), data rescaled in f32."""
+    """Per-tensor form of a carrier: scale = max block scale (power of two), data rescaled in f32.
+
+    The max is taken over the finite block scales: a NaN / Inf block keeps its NaN / Inf in its
+    own data (``data * (NaN / smax)``) instead of spreading to the whole tensor.
+    """
     if per_tensor(x):
         return x
-    smax = jnp.max(x.scale)
+    smax = finite_max(x.scale)
     if get_config().rounding_mode != Pow2RoundMode.NONE:
         smax = pow2_round_up(smax)
     return ScaledArray(rescale(x.data, lax.div(x.scale, smax)), smax)
@@ -261,30 +275,34 @@ def measured() -> bool:
 WINDOW = 2.0**7
 
 
-def settle(v, scale, dtype) -> ScaledArray:
+def settle(v, scale, dtype, *, per_block: bool = False) -> ScaledArray:
     """Carrier of the float32 value ``v * expand(scale)`` whose data's amax lies in ``[2^-7, 2^7]``.
 
     One reduction: if the absolute max of ``v`` lies outside the window, it is rounded down to a
     power of two ``r`` that moves from the data into the scale (``data = v / r``, ``scale * r``:
     exact), so the data's amax lands in ``[1, 2)``; inside the window (and for an all-zero or
     non-finite ``v``) nothing changes. A block grid keeps its shape (the factor is common to all
-    blocks), so per-channel and outer-product grids stay as the rule built them.
+    blocks), so per-channel and outer-product grids stay as the rule built them; with
+    ``per_block`` each block of the grid is settled on its own amax instead.
     """
-    return note_bound(ScaledArray(*_settle(v, scale, dtype=np.dtype(dtype))), WINDOW)
+    return note_bound(ScaledArray(*_settle(v, scale, dtype=np.dtype(dtype), per_block=per_block)), WINDOW)
 
 
-@staged("dtype")
-def _settle(v, scale, *, dtype, mode):
+@staged("dtype", "per_block")
+def _settle(v, scale, *, dtype, per_block, mode):
     del mode
     v, scale = jnp.asarray(v, F32), jnp.asarray(scale, F32)
-    amax = block_amax(v, ())
+    grid = tuple(scale.shape) if per_block and scale.ndim and scale.ndim == v.ndim else ()
+    amax = block_amax(v, grid)
     inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
     # Zero, NaN and Inf have no power of two to move: they stay as they are too.
     keep = inside | ~(lax.is_finite(amax) & (amax > 0))
     # A select, not a conditional: under shard_map's varying-axis checking the two branches of a
     # cond would have different types (the measured factor varies, the kept scale may not).
-    r = lax.select(keep, np.float32(1.0), pow2_round(amax, Pow2RoundMode.DOWN))
-    return (v * (1.0 / r)).astype(dtype), scale * r
+    r = lax.select(keep, lax.full_like(amax, 1.0), pow2_round(amax, Pow2RoundMode.DOWN))
+    if not grid:
+        return (v * (1.0 / r)).astype(dtype), scale * r
+    return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r
 
 
 def wide(dtype) -> bool:
@@ -305,18 +323,24 @@ def settle_carried(x):
     """
     if not is_scaled(x) or x.fmt is not None or not measured() or not jnp.issubdtype(x.data.dtype, jnp.floating):
         return x
-    return settle(x.data, x.scale, x.data.dtype)
+    # Per block: a factor common to all blocks, taken from the largest (the 2^125 of a ``-1e38``
+    # mask fill in an MX block), overflowed the larger block scales to Inf and flushed the other
+    # blocks' data (0 * Inf = NaN in every other block).
+    return settle(x.data, x.scale, x.data.dtype, per_block=True)
 
 
 def block_amax(v, grid_shape):
     """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid.
 
-    One plain float reduction. Unlike :func:`qformats.block_amax` it need not propagate NaN: the
-    result only picks a power of two to move into the scale, a NaN element stays NaN in the data,
-    and :func:`safe_scale` turns a NaN amax into 1. (qformats needs the NaN-exact reduction because
-    a NaN must reach the encoded scale; that costs a second pass and a conditional.)
+    One plain float reduction over the finite elements. Unlike :func:`qformats.block_amax` it need
+    not propagate NaN: the result only picks a power of two to move into the scale, and a NaN or
+    Inf element stays NaN / Inf in the data. Leaving them out matters: an Inf amax (one overflowed
+    element) would keep the other elements' data unnormalised, so that a float16 carrier's
+    ``y * y`` overflowed in every row, not only in the row of the Inf. (qformats needs the NaN-exact
+    reduction because a NaN must reach the encoded scale; that costs a second pass and a conditional.)
     """
     v = jnp.abs(jnp.asarray(v, F32))
+    v = lax.select(lax.is_finite(v), v, lax.full_like(v, 0.0))
     if v.size == 0:
         return jnp.ones(grid_shape, F32)
     if not grid_shape or v.ndim == 0:
@@ -386,15 +410,19 @@ def combine_l2(scales, mode):
     """
     if len(scales) == 1:
         return pow2_round(jnp.asarray(scales[0], F32), mode)
-    m = safe_scale(combine_max(scales, mode))
+    # The plain max: a NaN block scale makes the sum's block NaN, as its values are.
+    m = safe_scale(functools.reduce(lax.max, scales))
     s2 = functools.reduce(lax.add, [lax.square(s / m) for s in scales])
     return pow2_round(lax.sqrt(s2) * m, mode)
 
 
 def combine_max(scales, mode):
-    """The largest scale (per block): operands with smaller scales shift right, none can overflow."""
+    """The largest finite scale (per block): operands with smaller scales shift right, none can
+    overflow. A NaN / Inf scale (a format's NaN block) is left out: its ratio ``NaN / common`` puts
+    the NaN into that operand's data, so a ``select`` of the other operand stays finite."""
     del mode
-    return functools.reduce(lax.max, scales)
+    fin = [lax.select(lax.is_finite(s), s, lax.full_like(s, 0.0)) for s in scales]
+    return safe_scale(functools.reduce(lax.max, fin))
 
 
 @staged("combine", "floor")
@@ -439,7 +467,7 @@ def _is_marker(scale) -> bool:
     return scale is ZERO or isinstance(scale, _Static)
 
 
-def align(xs, combine=combine_max, *, dtype=None):
+def align(xs, combine=combine_max, *, dtype=None, finite=False):
     """Bring scaled and plain operands to one common scale (per block).
 
     ``combine`` is :func:`combine_max` (the largest scale: nothing can overflow) or
@@ -447,6 +475,11 @@ def align(xs, combine=combine_max, *, dtype=None):
     each data in its own dtype (or ``dtype``). Blocks that do not line up are first folded to
     per-tensor; a static zero adopts the common scale; under ``combine_max`` every static fill does
     (the common scale is raised only as far as the fill needs to stay finite in the carrier).
+
+    ``finite``: the common scale is finite even when one scaled operand meets only static
+    operands (``where(m, x, 0)``, ``x > 0``): a NaN / Inf scale then moves into that operand's
+    data, so selects and comparisons see the NaN element by element, as the values do (a static
+    zero selected next to a NaN block stays zero).
     """
     adopt = combine is combine_max and any(is_scaled(x) for x in xs)
     ps = [_adopting(x, dtype) if adopt else promote(x) for x in xs]
@@ -457,7 +490,7 @@ def align(xs, combine=combine_max, *, dtype=None):
         grid_shape = ()
     live = [p for p in ps if not _is_marker(p.scale)]
     floor = max([p.scale.floor for p in ps if isinstance(p.scale, _Static)], default=0.0)
-    if len(live) == 1 and not floor:
+    if len(live) == 1 and not floor and not (finite and len(ps) > 1):
         common, ratios = live[0].scale, (None,)
     elif not live:
         common, ratios = jnp.ones((), F32), ()

@@ -53,13 +53,6 @@ register_rule(
 )(structural)
 
 
-@register_rule(p.sharding_constraint_p, "commuting", "constraint applied to data; scale replicated.")
-def _sharding_constraint(eqn, x):
-    if per_tensor(x):
-        return _data_only(eqn, x)
-    return structural(eqn, x)
-
-
 @register_rule(
     p.convert_element_type_p,
     "commuting",
@@ -142,7 +135,7 @@ register_rule(
 
 
 def _cmp(eqn, *xs):
-    datas, _ = align(list(xs), dtype=F32)
+    datas, _ = align(list(xs), dtype=F32, finite=True)
     return bind_eqn(eqn, datas)[0]
 
 
@@ -175,7 +168,7 @@ def _clamp(eqn, lo, x, hi):
 def _select_n(eqn, pred, *cases):
     if isinstance(pred, ScaledArray):
         pred = dequant(pred)
-    datas, s = align(list(cases))
+    datas, s = align(list(cases), finite=True)
     return ScaledArray(bind_eqn(eqn, [pred, *datas])[0], s)
 
 

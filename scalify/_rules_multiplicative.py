@@ -33,6 +33,7 @@ from scalify._rules_common import (
     bound_of,
     dequant,
     fold,
+    is_runtime_plain,
     is_scaled,
     measured,
     note_bound,
@@ -66,6 +67,7 @@ def _binary(eqn, a, b, op_scale):
     "multiplicative",
     "data * data, scale * scale (block grids broadcast; static scalars split exactly into 2^k). Two "
     "runtime scaled operands are renormalised per block first, so their data product stays in range.",
+    keeps_format=True,
 )
 def _mul(eqn, a, b):
     for x, y in ((a, b), (b, a)):
@@ -85,6 +87,16 @@ def _mul(eqn, a, b):
             if hb is None or hb > 2.0:
                 b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
         return note_bound(_binary(eqn, a, b, lax.mul), bound_of(a) * bound_of(b))
+    out_dtype = eqn.outvars[0].aval.dtype
+    if jnp.issubdtype(out_dtype, jnp.floating) and not wide(out_dtype) and any(is_runtime_plain(x) for x in (a, b)):
+        # A plain runtime operand has scale 1 and a magnitude unknown at trace time: in a narrow
+        # carrier its product with the other's data overflows (float16: plain 2^15 times data 4)
+        # or flushes. As for a quotient: the product in float32, renormalised per block.
+        pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
+        if _grid_shapes_compatible([pa, pb]) is None:
+            pa, pb = fold(pa), fold(pb)
+        q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
+        return renormalize(q, _grid_of(lax.mul(pa.scale, pb.scale), q.ndim), out_dtype)
     return _binary(eqn, a, b, lax.mul)
 
 
@@ -93,6 +105,7 @@ def _mul(eqn, a, b):
     "multiplicative",
     "data / data in float32, scale / scale (block grids broadcast); the quotient is renormalised per "
     "block (amax rounded to 2^k moved into the scale) so it cannot overflow the carrier dtype.",
+    keeps_format=True,
 )
 def _div(eqn, a, b):
     pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)

@@ -1,6 +1,7 @@
 """Nonlinear rules: the simplest exact rule that keeps values in range, else dequantize-compute-requantize.
 
-* bounded outputs (tanh, logistic, erf, sin, ...): computed on the float32 value, output scale 1;
+* bounded outputs (tanh, logistic, erf, sin, ...): computed on the float32 value, output scale 1
+  (a float16 carrier is re-quantized on its amax: at scale 1 small results would be subnormal);
 * log: ``log(data) + log(scale)``; roots and integer powers act on data and scale separately;
 * everything else (exp, pow, erf_inv, ...): the value is computed in float32 and re-quantized to a
   per-tensor carrier whose scale is the output's absolute max rounded to a power of two, so the
@@ -16,7 +17,19 @@ from jax import lax
 from scalify._config import pow2_round
 from scalify._jax_compat import bind_eqn, p
 from scalify._registry import register_rule
-from scalify._rules_common import F32, bound_of, dequant, note_bound, renormalize, requant, rescale, safe_scale, unit
+from scalify._rules_common import (
+    F32,
+    bound_of,
+    dequant,
+    note_bound,
+    product_bound,
+    renormalize,
+    requant,
+    rescale,
+    safe_scale,
+    unit,
+    wide,
+)
 from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 
@@ -48,22 +61,37 @@ def _f32_eval(eqn, *xs):
         "bessel_i1e_p",
     ),
     "nonlinear",
-    "bounded output: f(value) in float32, output carrier with scale 1.",
+    "bounded output: f(value) in float32, output carrier with scale 1 (float16: scale = amax rounded to 2^k).",
 )
 def _bounded(eqn, *xs):
     # |f| <= 1 for tanh, logistic, erf, sin, cos, bessel_i*e; <= 2 for erfc; <= pi for atan/asin/acos.
-    return unit(_f32_eval(eqn, *xs), _out_dtype(eqn), bound=4.0)
+    return _unit(_f32_eval(eqn, *xs), _out_dtype(eqn), bound=4.0)
 
 
-@register_rule(p.log_p, "nonlinear", "log(data) + log(scale) in float32; output carrier with scale 1.")
+def _unit(v, dtype, bound=None):
+    """Carrier with scale 1 of a bounded float32 result; a narrow carrier (float16) is re-quantized
+    on its amax instead: at scale 1 its subnormals hold ``tanh(1e-5)`` to two digits and flush
+    ``tanh(2^-30)`` (or ``log(1 + 2^-30)``) to 0, which the float32 value keeps."""
+    return unit(v, dtype, bound) if wide(dtype) else requant(v, dtype)
+
+
+@register_rule(
+    p.log_p,
+    "nonlinear",
+    "log(data) + log(scale) in float32; output carrier with scale 1 (float16: scale = amax rounded to 2^k).",
+)
 def _log(eqn, x):
     val = lax.add(lax.log(cast(x.data, F32)), expand_scale(lax.log(x.scale), x.data.shape))
-    return unit(val, _out_dtype(eqn))
+    return _unit(val, _out_dtype(eqn))
 
 
-@register_rule(p.log1p_p, "nonlinear", "log1p(value) in float32; output carrier with scale 1.")
+@register_rule(
+    p.log1p_p,
+    "nonlinear",
+    "log1p(value) in float32; output carrier with scale 1 (float16: scale = amax rounded to 2^k).",
+)
 def _log1p(eqn, x):
-    return unit(_f32_eval(eqn, x), _out_dtype(eqn))
+    return _unit(_f32_eval(eqn, x), _out_dtype(eqn))
 
 
 def _root(eqn, x, fn, power):
@@ -94,10 +122,25 @@ register_rule(p.cbrt_p, "nonlinear", "cbrt(data), scale cbrt(scale) rounded to 2
 )
 
 
-def _power(eqn, x, n: int, scale):
-    """``data**n`` with scale ``scale**n``; the data bound goes to the n-th power."""
+def _power(eqn, x, n: int, scale_fn):
+    """``data**n`` with scale ``scale_fn(scale) = scale**n``; the data bound goes to the n-th power.
+
+    Data of unknown magnitude (an input carrier, ``data = x / 2^k`` for any ``k``), or whose n-th
+    power could leave the carrier's range, is renormalised first (each block's amax, a power of
+    two, moved into the scale: exact), as ``mul`` does for ``a * a``: ``data**3`` of float16 data
+    261 overflows, and ``scale**3`` of scale 2^63 is float32 Inf next to data that underflowed.
+    A negative power is computed in float32 and renormalised (small data have huge reciprocals).
+    """
+    dtype = x.data.dtype
+    if jnp.issubdtype(dtype, jnp.floating):
+        hi = bound_of(x)
+        if n < 0 or (n >= 2 and (hi is None or max(hi, 1.0) ** n > product_bound(dtype))):
+            x = renormalize(cast(x.data, F32), x.scale, dtype)
+        if n < 0:
+            (q,) = bind_eqn(eqn, [cast(x.data, F32)])
+            return renormalize(q, scale_fn(x.scale), dtype)
     (data,) = bind_eqn(eqn, [x.data])
-    out = ScaledArray(data, scale)
+    out = ScaledArray(data, scale_fn(x.scale))
     hi = bound_of(x)
     return out if hi is None or n < 0 else note_bound(out, max(hi, 1.0) ** n)
 
@@ -105,12 +148,12 @@ def _power(eqn, x, n: int, scale):
 @register_rule(p.integer_pow_p, "nonlinear", "data**n, scale**n (exact for power-of-two scales).")
 def _integer_pow(eqn, x):
     y = eqn.params["y"]
-    return _power(eqn, x, y, lax.integer_pow(x.scale, y))
+    return _power(eqn, x, y, lambda s: lax.integer_pow(s, y))
 
 
 @register_rule(p.square_p, "nonlinear", "data**2, scale**2.")
 def _square(eqn, x):
-    return _power(eqn, x, 2, lax.mul(x.scale, x.scale))
+    return _power(eqn, x, 2, lambda s: lax.mul(s, s))
 
 
 _GENERIC = _prims(

@@ -81,30 +81,33 @@ def _check_packed(entries, value_shape, data_shape, mesh_shape, what):
 
 
 def _leaf_specs(x: ScaledArray, spec: PartitionSpec, mesh_shape):
-    """``(data_spec, scale_spec_tree)`` for one ScaledArray."""
+    """``(data_spec, scale_spec_tree)`` for one ScaledArray.
+
+    The scale is any pytree: each leaf is a scalar (replicated) or a block grid of the value (the
+    data's rank, ``value_shape // leaf.shape`` elements per block), sharded so blocks stay whole.
+    """
     data_shape = tuple(x.data.shape)  # works for arrays and ShapeDtypeStructs (jax.eval_shape)
     value_shape = tuple(x.fmt.value_shape(data_shape)) if x.fmt is not None else data_shape
     entries = _spec_entries(spec, len(value_shape))
     what = f"ScaledArray{list(value_shape)} ({x.fmt.name if x.fmt is not None else 'carrier'})"
     data_spec = PartitionSpec(*entries) if value_shape else PartitionSpec()
     if x.fmt is not None:
-        fmt = x.fmt
         _check_packed(entries, value_shape, data_shape, mesh_shape, what)
-        block = tuple(fmt.block_shape(value_shape))
-        grid_spec = _scale_spec(entries, value_shape, block, mesh_shape, what)
-        if isinstance(x.scale, tuple) and hasattr(x.scale, "_fields"):  # NVFP4Scale(block, tensor)
-            leaves = [grid_spec if len(v.shape) else PartitionSpec() for v in x.scale]
-            return data_spec, type(x.scale)(*leaves)
-        if len(x.scale.shape) == 0:
-            return data_spec, PartitionSpec()
-        return data_spec, grid_spec
-    scale_shape = tuple(x.scale.shape)
-    if not scale_shape:
-        return data_spec, PartitionSpec()
-    if len(scale_shape) != len(value_shape) or any(n % g for n, g in zip(value_shape, scale_shape, strict=True)):
-        raise ValueError(f"{what}: scale of shape {scale_shape} is not a block grid of the data shape {value_shape}.")
-    block = tuple(n // g for n, g in zip(value_shape, scale_shape, strict=True))
-    return data_spec, _scale_spec(entries, value_shape, block, mesh_shape, what)
+
+    def leaf_spec(leaf):
+        grid = tuple(leaf.shape)
+        if math.prod(grid) == 1:
+            return PartitionSpec()
+        if len(grid) != len(value_shape) or any(n % g for n, g in zip(value_shape, grid, strict=True)):
+            raise ValueError(
+                f"{what}: a scale leaf of shape {grid} is not a block grid of the value shape {value_shape} "
+                f"(same rank, each extent dividing the value's); give the format's scale leaves that shape "
+                f"or a single element."
+            )
+        block = tuple(n // g for n, g in zip(value_shape, grid, strict=True))
+        return _scale_spec(entries, value_shape, block, mesh_shape, what)
+
+    return data_spec, jax.tree.map(leaf_spec, x.scale)
 
 
 def _dtype(leaf):

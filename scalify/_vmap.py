@@ -41,32 +41,13 @@ def _norm(axis, ndim, what):
     return int(axis) % ndim
 
 
-def _layout_axis(fmt):
-    return getattr(fmt.layout, "axis", None)
-
-
 def _move_format_axis(fmt, rank, mapped, *, remove: bool):
     """``fmt`` for the item (``remove``: data of ``rank`` loses axis ``mapped``) or the stacked array
-    (axis ``mapped`` inserted into data of ``rank``), so it still scales the same data axis.
+    (axis ``mapped`` inserted into data of ``rank``), so it still scales the same data axes.
 
-    ``None`` when the format's own axis is the mapped one, or the format cannot change its axis.
+    ``None`` when the format scales along the mapped axis (:meth:`qformats.ScaledFormat.reindex`).
     """
-    ax = _layout_axis(fmt)
-    if ax is None:
-        return fmt
-    n = ax % rank
-    if remove:
-        if n == mapped:
-            return None
-        new = (ax if mapped < n else ax + 1) if ax < 0 else n - (mapped < n)
-    else:
-        new = (ax if mapped <= n else ax - 1) if ax < 0 else n + (mapped <= n)
-    if new == ax:
-        return fmt
-    try:
-        return fmt.replace(axis=new)
-    except TypeError:
-        return None
+    return fmt.reindex(rank, remove=mapped) if remove else fmt.reindex(rank, insert=mapped)
 
 
 def _matches(fmt, shape, data_shape, scale_tree, scale_shapes) -> bool:

@@ -38,12 +38,24 @@ operands unconverted (so formats reach the nested body).
   logical dtype (a per-tensor scale, or the outer product of per-channel factors);
   `ScalifyConfig(dot_output_format=fmt)` re-quantizes dot outputs into `fmt`.
 * `ScalifyConfig(keep_format=True)` re-quantizes the output of elementwise / structural / additive
-  rules into the format of their first formatted operand (when the output shape fits the layout).
+  rules (`mul` and `div` included) into the format of their first formatted operand (when the
+  output shape fits the layout).
 * Nonlinear rules with unbounded output re-quantize to a per-tensor carrier whose scale is the
   output's absolute max rounded to a power of two: values never overflow the carrier dtype.
 * Primitives with no rule raise `ScalifyUnsupportedError` naming the primitive and the operand
   formats when they receive a scaled operand; `scalify.ops.dequantize(x)` is the explicit way out.
   Plain operands always bind the primitive unchanged.
+
+## Adding a rule
+
+`scalify.register_rule(prims, group, doc)(fn)` registers `fn(eqn, *operands)` for one or several
+primitives. `group` declares the property that makes the rule correct, and the interpreter acts on
+what the group declares (`scalify.GROUPS`), never on its name: `commuting` (data moved, not
+computed: a known data bound carries over; keeps the format under `keep_format`), `additive`
+(keeps the format), `multiplicative`, `nonlinear`, `control` (evaluates sub-jaxprs itself) and
+`scaled-op`. `keeps_format=True/False` overrides the group's choice for one rule. A primitive has
+one rule: a second registration raises `ValueError` unless it passes `overwrite=True`, so replacing
+a built-in rule is always deliberate. The table column "group" below is the declared group.
 
 ## Contractions (dot_general, conv_general_dilated)
 
@@ -109,7 +121,7 @@ def render() -> str:
         if rule is None:
             rows.append(f"| `{name}` | unsupported | - | error if a scaled operand reaches it |")
         else:
-            rows.append(f"| `{name}` | rule | {rule.group} | {rule.doc.replace('|', '/')} |")
+            rows.append(f"| `{name}` | rule | {rule.group.name} | {rule.doc.replace('|', '/')} |")
     n_rules = sum(1 for r in rows if "| rule |" in r)
     table = "\n".join(["| primitive | status | group | scales and output |", "|---|---|---|---|", *rows])
     return f"{HEADER}\n{n_rules} primitives have rules, {len(rows) - n_rules} are unsupported.\n\n{table}\n"

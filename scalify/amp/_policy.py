@@ -116,17 +116,6 @@ def _fake_quantize_jvp(fmt, primals, tangents):
     return fake_quantize(fmt, x), t
 
 
-def _layout_kind(fmt) -> str:
-    import qformats as qf
-
-    layout = fmt.layout
-    if isinstance(layout, qf.Blocked):
-        return "blocked"
-    if isinstance(layout, qf.PerChannel):
-        return "channel"
-    return "other"
-
-
 def _operand_axes(primitive, params, ndims) -> list[tuple[int | None, int | None]]:
     """For each operand: (contracted axis, a free axis) or Nones when the primitive has no notion."""
     name = getattr(primitive, "name", None)
@@ -169,7 +158,6 @@ class QuantizeInputs:
         del compute_dtype
         ndims = [np.ndim(v) for v in invars]
         axes = _operand_axes(primitive, params, ndims)
-        kind = _layout_kind(self.fmt)
         out = []
         for i, (v, dtype) in enumerate(zip(invars, original_dtypes, strict=True)):
             v = cast_if_float(dtype, v)
@@ -177,13 +165,14 @@ class QuantizeInputs:
                 out.append(v)
                 continue
             contracted, free = axes[i]
-            axis = contracted if kind == "blocked" else free if kind == "channel" else None
-            fmt = self.fmt.replace(axis=axis) if axis is not None and hasattr(self.fmt, "axis") else self.fmt
             prim_name = getattr(primitive, "name", primitive)
+            where = f"its contracted axis {contracted}" if contracted is not None else "the format's axis"
             try:
+                # A contraction's operand: the format aimed at it (blocks along the contracted axis,
+                # per-channel scales along a free one); otherwise the format as given.
+                fmt = self.fmt.aim(contracted, free) if contracted is not None else self.fmt
                 fmt.block_shape(np.shape(v))
             except ValueError as e:
-                where = f"its contracted axis {axis}" if axis is not None and kind == "blocked" else "the format's axis"
                 raise ValueError(
                     f"amp policy {getattr(self.fmt, 'name', self.fmt)} cannot quantize operand {i} of "
                     f"{prim_name} with shape {tuple(np.shape(v))} along {where}: {e} "

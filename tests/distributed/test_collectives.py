@@ -11,6 +11,7 @@ import pytest
 from _dist_common import AXES, mesh_2x4
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from user_formats import DICT_MXFP8
 
 import qformats as qf
 import scalify as jsa
@@ -29,7 +30,13 @@ COLLECTIVES = {
     "all_to_all": (lambda v: jax.lax.all_to_all(v, "m", 1, 0, tiled=True), ROWS),
     "psum_scatter": (lambda v: jax.lax.psum_scatter(v, "m", scatter_dimension=1, tiled=True), P("d", "m")),
 }
-FORMATS = {"carrier": None, "mxfp8": qf.MXFP8, "fp8_per_tensor": qf.FP8_E4M3, "int8_per_channel": qf.INT8_PER_CHANNEL}
+FORMATS = {
+    "carrier": None,
+    "mxfp8": qf.MXFP8,
+    "fp8_per_tensor": qf.FP8_E4M3,
+    "int8_per_channel": qf.INT8_PER_CHANNEL,
+    "user_dict_mxfp8": DICT_MXFP8,
+}
 CASES = [(n, f) for n in COLLECTIVES for f in FORMATS if f != "int8_per_channel" or n in ("psum", "all_to_all")]
 # every case on the explicit mesh (jax.make_mesh's default); on an auto mesh, every collective on MXFP8
 CASES = [(n, f, "explicit") for n, f in CASES] + [(n, "mxfp8", "auto") for n in COLLECTIVES]

@@ -16,6 +16,7 @@ import pytest
 from _dist_common import mesh_2x4
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from user_formats import DICT_MXFP8
 
 import qformats as qf
 import scalify as jsa
@@ -27,6 +28,7 @@ FORMATS = {
     "nvfp4": qf.NVFP4,
     "fp8": qf.FP8_E4M3,
     "int8_per_channel": qf.INT8_PER_CHANNEL,
+    "user_dict_mxfp8": DICT_MXFP8,
 }
 
 

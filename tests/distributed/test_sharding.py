@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _dist_common import AXES, mesh_2x4
+from _dist_common import AXES, explicit, mesh_2x4
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from user_formats import DICT_MXFP8
 
 import qformats as qf
 import scalify as jsa
@@ -48,11 +49,14 @@ CASES = [
     ("int8 per-channel (other axis sharded)", qf.INT8_PER_CHANNEL, (16, 256), P("m", None), P(None, None)),
     ("mxfp8 blocked axis sharded", qf.MXFP8, (16, 256), P("d", "m"), P("d", "m")),
     ("mxfp4 packed", qf.MXFP4, (16, 256), P("d", "m"), P("d", "m")),
+    ("user format, dict scale", DICT_MXFP8, (16, 256), P("d", "m"), P("d", "m")),
 ]
 
 
 # every case on the explicit mesh (jax.make_mesh's default), the blocked and packed ones on an auto mesh too
-PUT_CASES = [(*c, "explicit") for c in CASES] + [(*c, "auto") for c in CASES if c[1] in (qf.MXFP8, qf.MXFP4)]
+PUT_CASES = [(*c, "explicit") for c in CASES] + [
+    (*c, "auto") for c in CASES if c[1] in (qf.MXFP8, qf.MXFP4, DICT_MXFP8)
+]
 
 
 @pytest.mark.parametrize("name,fmt,shape,spec,scale_spec,axes", PUT_CASES, ids=[f"{c[0]}-{c[-1]}" for c in PUT_CASES])
@@ -62,9 +66,10 @@ def test_device_put_places_data_and_scale(name, fmt, shape, spec, scale_spec, ax
     sa = jsa.as_scaled_array(x, scale=np.float32(2.0)) if fmt is None else jsa.as_scaled_array(x, fmt=fmt)
     placed = device_put(sa, NamedSharding(mesh, spec))
     assert placed.data.sharding.spec == spec
-    assert P(*tuple(placed.scale.sharding.spec)) == P(*tuple(scale_spec)) or (
-        placed.scale.sharding.is_fully_replicated and all(e is None for e in scale_spec)
-    )
+    for leaf in jax.tree.leaves(placed.scale):
+        assert P(*tuple(leaf.sharding.spec)) == P(*tuple(scale_spec)) or (
+            leaf.sharding.is_fully_replicated and all(e is None for e in scale_spec)
+        )
     _check_shards_consistent(placed)
 
 
@@ -132,3 +137,25 @@ def test_partition_specs_for_shard_map(axes):
     sa = jsa.as_scaled_array(_x((64, 256)), fmt=qf.MXFP8)
     specs = scaled_sharding({"w": sa, "p": _x((4,))}, P("d", "m"), mesh=mesh_2x4(axes))
     assert specs["w"].data == P("d", "m") and specs["w"].scale == P("d", "m") and specs["p"] == P("d", "m")
+
+
+@pytest.mark.parametrize("axes", AXES)
+def test_sharding_constraint_lays_out_the_scale_with_its_blocks(axes):
+    """``with_sharding_constraint`` (``reshard`` on an explicit mesh) inside scalify: the block
+    scales follow the data's layout (``scaled_sharding``), as docs/distributed.md says; they are
+    not replicated."""
+    mesh = mesh_2x4(axes)
+    spec = P("d", None)
+    sx = jsa.as_scaled_array(_x((64, 128)), fmt=qf.MXFP8)
+    constrain = jax.sharding.reshard if explicit(mesh) else jax.lax.with_sharding_constraint
+
+    def f(v):
+        return constrain(v * 2.0, NamedSharding(mesh, spec))
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(jsa.scalify(f))(sx)
+    assert out.scale.shape == (64, 4)
+    want = scaled_sharding(out, spec, mesh=mesh).scale
+    assert out.scale.sharding.is_equivalent_to(NamedSharding(mesh, want), out.scale.ndim)
+    assert not out.scale.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out), 2.0 * np.asarray(sx))

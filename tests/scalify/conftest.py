@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from user_formats import DICT_MXFP8
 
 import qformats as qf
 import scalify as jsa
@@ -18,6 +19,7 @@ FORMATS = {
     "int8_per_channel": qf.INT8_PER_CHANNEL,
     "mxfp8": qf.MXFP8,
     "nvfp4": qf.NVFP4,
+    "user_dict_mxfp8": DICT_MXFP8,  # a user format whose scale is a dict (tests/user_formats.py)
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from thirdparty_harness import FORMAT_NAMES
+from thirdparty_harness import COVERED_BY_FAMILY, FORMAT_NAMES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,7 +18,11 @@ def _standard_promotion():
         yield
 
 
-@pytest.fixture(params=FORMAT_NAMES, scope="module")
+@pytest.fixture(
+    params=[pytest.param(n, marks=pytest.mark.slow) if n in COVERED_BY_FAMILY else n for n in FORMAT_NAMES],
+    scope="module",
+)
 def fmt_name(request):
-    """Every registered format (``qf.list_formats()``), so a newly registered one is tested too."""
+    """Every registered format (``qf.list_formats()``), so a newly registered one is tested too;
+    built-ins whose family has a representative run in the slow lane (thirdparty_harness.py)."""
     return request.param

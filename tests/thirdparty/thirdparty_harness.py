@@ -52,6 +52,20 @@ import scalify
 
 FORMAT_NAMES = tuple(qf.list_formats())
 
+# The fast lane runs one format per family; the other built-ins share their family's code path in
+# every rule (same layout, same carrier dtype, another element codec: that is tested in qformats'
+# own suites) and run in the slow lane (``-m slow``). A format registered by a user or a plugin is
+# not listed here, so it always runs in the fast lane.
+FAMILY_REPRESENTATIVES = {
+    "fp16": "per-tensor, narrow float carrier",
+    "fp8_e4m3": "per-tensor 8-bit float",
+    "int8_per_channel": "per-channel integer",
+    "mxfp8": "MX blocks, 8-bit elements",
+    "mxfp4": "MX blocks, packed 4-bit elements",
+    "nvfp4": "two-level scales",
+}
+COVERED_BY_FAMILY = ("bf16", "fp8_e5m2", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
+
 # Differences between a float32 carrier program and the float32 program (see the module docstring).
 PROPAGATION_RTOL = 5e-5
 # Absolute floor per leaf, as a fraction of the tree's largest magnitude (see the module docstring).
