@@ -60,10 +60,6 @@ def per_tensor(x: ScaledArray) -> bool:
     return jnp.ndim(x.scale) == 0
 
 
-def out_aval(eqn, i=0):
-    return eqn.outvars[i].aval
-
-
 # Traced arrays known to be filled with one static value (``broadcast_in_dim`` of a literal, such as
 # the zeros of a relu or ``where`` cotangent), keyed by id, for the jaxpr being interpreted (per
 # thread and context, like the tracing itself).
