@@ -710,12 +710,7 @@ class Tracker:
                 (x,) = ins
                 new = np.dtype(eqn.params["new_dtype"])
                 if np.issubdtype(new, np.floating):
-                    if isinstance(x, TF):
-                        return x
-                    if isinstance(x, TB):
-                        return TF(x.v.astype(np.float64), tuple(u.astype(np.float64) for u in x.unc))
-                    z = np.zeros(np.shape(x))
-                    return TF(np.asarray(x, np.float64), (z, z))
+                    return self._f(x)
                 if isinstance(x, TF):
                     raise NotImplementedError("float to integer")
                 return x.astype(new) if not isinstance(x, TB) else x
