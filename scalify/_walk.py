@@ -104,19 +104,29 @@ def eval_jaxpr(walk: Walk, jaxpr, consts, args) -> list:
 
 
 def note_error(exc: BaseException, eqn, invals, describe: Callable) -> None:
-    """Add to ``exc`` the user's source line of ``eqn``, its primitive and its operand types.
+    """Add to ``exc`` the failing primitive, its operand types and the user's source line.
 
-    Only the innermost equation is named (an error inside a jit body also passes through the
-    ``jit`` equation around it), and the exception keeps its type and message.
+    Called at every level the error passes through (an error in a jit body also passes through the
+    ``jit`` equation around it): the innermost equation names the primitive and operands, the
+    innermost one with a user frame (jnp functions are jits of JAX-internal code) names the line.
+    The exception keeps its type and message; the note is added once.
     """
-    if getattr(exc, "_scalify_eqn_noted", False):
+    if getattr(exc, "_scalify_eqn_located", False):
         return
-    try:
-        operands = ", ".join(describe(x) for x in invals)
-    except Exception:  # pragma: no cover - describing must not hide the error
-        operands = "?"
-    exc.add_note(f"While transforming `{eqn.primitive.name}` at {source_line(eqn)} on operands ({operands}).")
-    exc._scalify_eqn_noted = True
+    failed = getattr(exc, "_scalify_eqn_failed", None)
+    if failed is None:
+        try:
+            operands = ", ".join(describe(x) for x in invals)
+        except Exception:  # pragma: no cover - describing must not hide the error
+            operands = "?"
+        failed = exc._scalify_eqn_failed = (eqn.primitive.name, operands)
+    line = source_line(eqn)
+    if not line or line == "unknown":
+        return  # JAX-internal code: an enclosing equation names the user's line
+    name, operands = failed
+    where = f"at {line}" if name == eqn.primitive.name else f"(inside `{eqn.primitive.name}` at {line})"
+    exc.add_note(f"While transforming `{name}` {where} on operands ({operands}).")
+    exc._scalify_eqn_located = True
 
 
 def eval_closed(walk: Walk, closed, args) -> list:
