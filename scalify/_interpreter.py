@@ -16,7 +16,7 @@ from jax import lax
 
 from scalify import _walk
 from scalify._config import get_config
-from scalify._jax_compat import bind_eqn, is_tracer, logical_aval, p
+from scalify._jax_compat import bind_eqn, bind_params, is_tracer, logical_aval, p
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import (
     bound_of,
@@ -205,7 +205,7 @@ class _Scalify(_walk.Walk):
     def apply(self, eqn, invals):
         """The rule of ``eqn`` when it needs one (scaled operands, ``always``), else bind it."""
         if not _needs_rule(eqn, invals):
-            outs = bind_eqn(eqn, invals)
+            outs = bind_params(eqn.primitive, invals, eqn.params)  # the walker entered eqn.ctx
             _note_fill(eqn, invals, outs)
             return outs
         rule = RULES.get(eqn.primitive)

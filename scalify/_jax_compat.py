@@ -130,24 +130,13 @@ def bind_params(primitive, invals, params) -> list:
 
 def bind_eqn(eqn, invals):
     """Bind ``eqn``'s primitive on ``invals`` exactly as ``jax.core.eval_jaxpr`` does."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-        invals = [*subfuns, *invals]
     with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
-    return out if eqn.primitive.multiple_results else [out]
+        return bind_params(eqn.primitive, invals, eqn.params)
 
 
 def bind_eqn_with(eqn, invals, **changes):
     """:func:`bind_eqn` with some of the equation's parameters replaced."""
     return bind_eqn(eqn.replace(params={**eqn.params, **changes}), invals)
-
-
-def sub_jaxprs(jaxpr):
-    """Jaxprs nested in the params of ``jaxpr``'s equations (one level)."""
-    for eqn in jaxpr.eqns:
-        yield from jex.jaxprs_in_params(eqn.params)
 
 
 def is_tracer(x) -> bool:
@@ -318,18 +307,12 @@ def fresh_name_stack():
     return _siu.reset_name_stack()
 
 
-@contextlib.contextmanager
-def eqn_context(eqn, base_name_stack):
-    """Re-emit an equation with its own traceback, name stack (``base_name_stack`` then the
-    equation's scopes, so ``jax.named_scope`` survives the transformation) and context."""
-    with contextlib.ExitStack() as stack:
-        if _siu is not None:
-            ns = base_name_stack + eqn.source_info.name_stack
-            stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=ns))
-        manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-        if manager is not None:
-            stack.enter_context(manager)
-        yield
+def source_context(eqn, base_name_stack):
+    """Re-emit an equation with its own traceback and name stack (``base_name_stack`` then the
+    equation's scopes, so ``jax.named_scope`` survives the transformation)."""
+    if _siu is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return _siu.user_context(eqn.source_info.traceback, name_stack=base_name_stack + eqn.source_info.name_stack)
 
 
 def source_line(eqn) -> str:

@@ -4,7 +4,7 @@ As in JAX's own transformations there are three parts:
 
 * one evaluation loop (:func:`eval_jaxpr`): literals, dropped outputs, each equation re-emitted
   under its own source info (traceback and name stack, so ``jax.named_scope`` survives) and
-  context, errors from rules annotated in one place (:func:`note_error`);
+  context (compute type, ...), errors from rules annotated in one place (:func:`note_error`);
 * one description per higher-order primitive (:data:`HIGHER_ORDER`): where its sub-jaxprs are and
   how to rebuild it around interpreted ones (:func:`rebuild`);
 * a rule table per transformation: a :class:`Walk` subclass deciding what each equation becomes
@@ -32,7 +32,6 @@ from scalify._jax_compat import (
     current_name_stack,
     custom_jvp_call_p,
     custom_vjp_call_p,
-    eqn_context,
     fresh_name_stack,
     jaxprs_in_params,
     jit_p,
@@ -40,6 +39,7 @@ from scalify._jax_compat import (
     scan_p,
     shard_map_kwargs,
     shard_map_p,
+    source_context,
     source_line,
     while_p,
     wrap_init,
@@ -91,7 +91,7 @@ def eval_jaxpr(walk: Walk, jaxpr, consts, args) -> list:
     base = current_name_stack()  # the scopes around this evaluation, prefixed to each equation's
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        with eqn_context(eqn, base):
+        with source_context(eqn, base), eqn.ctx.manager:
             try:
                 outs = walk.apply(eqn, invals)
             except Exception as exc:
