@@ -1,4 +1,9 @@
-"""The scalify interpreter: trace to a jaxpr on logical avals, evaluate it with the rule table."""
+"""The scalify interpreter: trace to a jaxpr on logical avals, walk it with the rule table.
+
+The walk itself (literals, source info, errors, sub-jaxprs) is :mod:`scalify._walk`'s; this module
+is scalify's :class:`~scalify._walk.Walk`: which equations need a rule (a scaled operand, or a
+primitive that creates ScaledArrays), carriers in, sealed scales out, fills and bounds noted.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify import _walk
 from scalify._config import get_config
-from scalify._jax_compat import DropVar, Literal, bind_eqn, is_tracer, logical_aval, p, sub_jaxprs
+from scalify._jax_compat import bind_eqn, bind_params, is_tracer, logical_aval, p
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import (
     bound_of,
@@ -36,8 +42,10 @@ def _contains_always(jaxpr) -> bool:
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
     inner = getattr(jaxpr, "jaxpr", jaxpr)
-    found = any((RULES.get(e.primitive) is not None and RULES[e.primitive].always) for e in inner.eqns) or any(
-        _contains_always(j) for j in sub_jaxprs(inner)
+    found = any(
+        (RULES.get(e.primitive) is not None and RULES[e.primitive].always)
+        or any(_contains_always(j) for j in _walk.sub_jaxprs(e))
+        for e in inner.eqns
     )
     if len(_ALWAYS_CACHE) > 4096:
         _ALWAYS_CACHE.clear()
@@ -45,7 +53,8 @@ def _contains_always(jaxpr) -> bool:
     return found
 
 
-def _describe(x) -> str:
+def describe(x) -> str:
+    """An operand as error messages show it: ScaledArray with its format, or a plain array."""
     if isinstance(x, ScaledArray):
         fmt = x.fmt.name if x.fmt is not None else "carrier (data + float32 scale)"
         return f"ScaledArray[{x.dtype}{list(x.shape)}, format {fmt}]"
@@ -53,7 +62,8 @@ def _describe(x) -> str:
 
 
 def unsupported(eqn, invals):
-    operands = ", ".join(_describe(x) for x in invals)
+    """The error for a scaled operand reaching a primitive without a rule."""
+    operands = ", ".join(describe(x) for x in invals)
     return ScalifyUnsupportedError(
         f"scalify has no rule for primitive `{eqn.primitive.name}`, which received a scaled operand "
         f"(operands: {operands}). Dequantize explicitly before this operation with "
@@ -70,9 +80,7 @@ def _needs_rule(eqn, invals) -> bool:
     if rule is not None and rule.always:
         return True
     if rule is not None and rule.control:
-        from jax.extend.core import jaxprs_in_params
-
-        return any(_contains_always(j) for j in jaxprs_in_params(eqn.params))
+        return any(_contains_always(j) for j in _walk.sub_jaxprs(eqn))
     return False
 
 
@@ -178,58 +186,57 @@ def _note_fill(eqn, invals, outs):
             note_fill(outs[0], float(np.asarray(out, dtype)))
 
 
+class _Scalify(_walk.Walk):
+    """scalify's walk: one evaluation of a (sub-)jaxpr, with the scales it has sealed."""
+
+    def __init__(self, args=()):
+        self.keep = get_config().keep_format
+        # An input scale is a runtime value with no static factor folded in: nothing to seal.
+        self.sealed = {id(a.scale): a.scale for a in args if isinstance(a, ScaledArray)}
+
+    def eval(self, jaxpr, consts, args):
+        """A fresh evaluation (its own sealed scales) with the fills of ``args`` known."""
+        with fill_scope(args):
+            return _walk.eval_jaxpr(_Scalify(args), jaxpr, consts, args)
+
+    def apply(self, eqn, invals):
+        """The rule of ``eqn`` when it needs one (scaled operands, ``always``), else bind it."""
+        if not _needs_rule(eqn, invals):
+            outs = bind_params(eqn.primitive, invals, eqn.params)  # the walker entered eqn.ctx
+            _note_fill(eqn, invals, outs)
+            return outs
+        rule = RULES.get(eqn.primitive)
+        if rule is None:
+            raise unsupported(eqn, invals)
+        args = invals if rule.raw else [_carrier(x) if isinstance(x, ScaledArray) else x for x in invals]
+        outs = rule.fn(eqn, *args)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        if rule.carries_bound:
+            _carry_bound(args, outs)
+        if not rule.control:
+            # A control-flow rule's outputs come from an interpreted body that sealed them.
+            outs = [_seal(o, self.sealed) for o in outs]
+        if self.keep:
+            outs = _maybe_keep_format(rule, invals, list(outs))
+        return outs
+
+    def describe(self, x) -> str:
+        return describe(x)
+
+
+#: The walk that scalify's control rules evaluate sub-jaxprs with (each evaluation starts afresh).
+WALK = _Scalify()
+
+
 def eval_jaxpr(jaxpr, consts, *args):
     """Evaluate an open ``jaxpr`` on ScaledArrays and plain values with the rule table."""
-    with fill_scope(args):
-        return _eval_jaxpr(jaxpr, consts, *args)
-
-
-def _eval_jaxpr(jaxpr, consts, *args):
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    def write(v, val):
-        if not isinstance(v, DropVar):
-            env[v] = val
-
-    keep = get_config().keep_format
-    sealed = {}
-    for v, c in zip(jaxpr.constvars, consts, strict=True):
-        write(v, c)
-    for v, a in zip(jaxpr.invars, args, strict=True):
-        write(v, a)
-        if isinstance(a, ScaledArray):
-            # An input scale is a runtime value with no static factor folded in: nothing to seal.
-            sealed[id(a.scale)] = a.scale
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if _needs_rule(eqn, invals):
-            rule = RULES.get(eqn.primitive)
-            if rule is None:
-                raise unsupported(eqn, invals)
-            args_ = invals if rule.raw else [_carrier(x) if isinstance(x, ScaledArray) else x for x in invals]
-            outs = rule.fn(eqn, *args_)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            if rule.carries_bound:
-                _carry_bound(args_, outs)
-            if not rule.control:
-                # A control-flow rule's outputs come from an interpreted body that sealed them.
-                outs = [_seal(o, sealed) for o in outs]
-            if keep:
-                outs = _maybe_keep_format(rule, invals, list(outs))
-        else:
-            outs = bind_eqn(eqn, invals)
-            _note_fill(eqn, invals, outs)
-        for v, o in zip(eqn.outvars, outs, strict=True):
-            write(v, o)
-    return [read(v) for v in jaxpr.outvars]
+    return WALK.eval(jaxpr, consts, list(args))
 
 
 def eval_closed(closed, *args):
-    return eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    """Evaluate a ClosedJaxpr on ScaledArrays and plain values with the rule table."""
+    return WALK.eval(closed.jaxpr, closed.consts, list(args))
 
 
 def _abstract(x):

@@ -1,14 +1,23 @@
-"""The one module that touches JAX internals (``jax.extend.core``, ``jax.interpreters``).
+"""The one module that touches non-public JAX (``jax.extend``, ``jax.interpreters``, ``jax._src``).
 
-Everything version-sensitive lives here, so a JAX upgrade is fixed in one place.
+Everything version-sensitive lives here, for scalify, amp and the recipes alike, so a JAX upgrade
+is fixed in one place.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.extend.core as jex
 import jax.extend.core.primitives as prims
+import jax.extend.linear_util as _lu
 from jax.interpreters import ad, batching, mlir
+
+try:  # private: name stacks carry the jax.named_scope of every equation, tracebacks its source line
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _siu = None
 
 Primitive = jex.Primitive
 Literal = jex.Literal
@@ -29,6 +38,37 @@ scan_p = prims.scan_p
 remat_p = prims.remat_p
 closed_call_p = prims.closed_call_p
 add_any_p = prims.add_jaxvals_p
+jaxprs_in_params = jex.jaxprs_in_params
+
+
+def _private(module: str, name: str):
+    """``module.name`` from ``jax._src`` (None when this JAX version does not have it)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:  # pragma: no cover - layout of jax._src changes between versions
+        return None
+
+
+shard_map_p = _private("jax._src.shard_map", "shard_map_p")
+
+# Collectives of shard_map and sharding annotations (JAX 0.10: psum of a varying value binds
+# psum_invariant, the vma checker inserts pvary; older JAX has neither; reshard_p is what jnp inserts
+# between differently sharded operands). Not all are named by jax.extend.
+_PAR = "jax._src.lax.parallel"
+psum_p = getattr(prims, "psum_p", None) or _private(_PAR, "psum_p")
+psum_invariant_p = _private(_PAR, "psum_invariant_p")
+pmax_p = getattr(prims, "pmax_p", None) or _private(_PAR, "pmax_p")
+pmin_p = getattr(prims, "pmin_p", None) or _private(_PAR, "pmin_p")
+all_gather_p = getattr(prims, "all_gather_p", None) or _private(_PAR, "all_gather_p")
+ppermute_p = getattr(prims, "ppermute_p", None) or _private(_PAR, "ppermute_p")
+all_to_all_p = getattr(prims, "all_to_all_p", None) or _private(_PAR, "all_to_all_p")
+reduce_scatter_p = _private(_PAR, "reduce_scatter_p")  # psum_scatter
+pvary_p = _private("jax._src.core", "pvary_p") or _private(_PAR, "pvary_p")
+_PJIT = "jax._src.pjit"
+sharding_constraint_p = getattr(prims, "sharding_constraint_p", None) or _private(_PJIT, "sharding_constraint_p")
+reshard_p = _private(_PJIT, "reshard_p")
 
 
 def _lax_modules():
@@ -70,26 +110,33 @@ def lax_primitive(name: str):
     return all_lax_primitives().get(name)
 
 
+def get_bind_params(primitive, params):
+    """``(leading_args, params)`` such that ``primitive.bind(*leading_args, *invals, **params)`` works.
+
+    Older JAX returned ``(subfuns, params)``; JAX 0.10 returns params holding ``subfuns`` itself.
+    """
+    out = primitive.get_bind_params(params)
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return tuple(out[0]), out[1]
+    return (), dict(out)
+
+
+def bind_params(primitive, invals, params) -> list:
+    """``primitive.bind`` on ``invals`` with an equation's ``params``; always a list of outputs."""
+    subfuns, bind_params_ = get_bind_params(primitive, params)
+    out = primitive.bind(*subfuns, *invals, **bind_params_)
+    return list(out) if primitive.multiple_results else [out]
+
+
 def bind_eqn(eqn, invals):
     """Bind ``eqn``'s primitive on ``invals`` exactly as ``jax.core.eval_jaxpr`` does."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-        invals = [*subfuns, *invals]
     with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
-    return out if eqn.primitive.multiple_results else [out]
+        return bind_params(eqn.primitive, invals, eqn.params)
 
 
 def bind_eqn_with(eqn, invals, **changes):
     """:func:`bind_eqn` with some of the equation's parameters replaced."""
     return bind_eqn(eqn.replace(params={**eqn.params, **changes}), invals)
-
-
-def sub_jaxprs(jaxpr):
-    """Jaxprs nested in the params of ``jaxpr``'s equations (one level)."""
-    for eqn in jaxpr.eqns:
-        yield from jex.jaxprs_in_params(eqn.params)
 
 
 def is_tracer(x) -> bool:
@@ -223,3 +270,78 @@ def logical_aval(shape, dtype, leaves):
         sharding=sharding,
         manual_axis_type=type(mat)(varying=axes, unreduced=mat.unreduced, reduced=mat.reduced),
     )
+
+
+# -- source info: name stacks (jax.named_scope) and the user's source line of an equation ---------
+def scope_names(name_stack) -> list[str]:
+    """Named scopes of an equation's name stack, outermost first, transform wrappers removed.
+
+    ``jvp(outer)/inner`` gives ``["outer", "inner"]``.
+    """
+    stack = getattr(name_stack, "stack", None)
+    if stack is not None and _siu is not None:
+        names = [e.name for e in stack if isinstance(e, _siu.Scope)]
+    else:  # fall back on parsing the string form
+        names = []
+        for part in str(name_stack).split("/"):
+            while part.endswith(")") and "(" in part:
+                part = part[part.index("(") + 1 : -1]
+            names.append(part)
+    out = []
+    for n in names:
+        out.extend(q for q in n.split("/") if q)
+    return out
+
+
+def current_name_stack():
+    """The name stack of the code being traced right now (``jax.named_scope`` blocks around us)."""
+    if _siu is None:  # pragma: no cover
+        return ""
+    return _siu.current_name_stack()
+
+
+def fresh_name_stack():
+    """Trace a sub-jaxpr with an empty name stack, as ``jax.jit`` does for its body."""
+    if _siu is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return _siu.reset_name_stack()
+
+
+def source_context(eqn, base_name_stack):
+    """Re-emit an equation with its own traceback and name stack (``base_name_stack`` then the
+    equation's scopes, so ``jax.named_scope`` survives the transformation)."""
+    if _siu is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return _siu.user_context(eqn.source_info.traceback, name_stack=base_name_stack + eqn.source_info.name_stack)
+
+
+def source_line(eqn) -> str:
+    """The user's source line that created ``eqn`` (``file:line (function)``), or ``"unknown"``."""
+    if _siu is None:  # pragma: no cover
+        return "unknown"
+    try:
+        return _siu.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - best effort: an error message must not fail
+        return "unknown"
+
+
+def wrap_init(f, like):
+    """``lu.wrap_init(f)`` with the debug info of the WrappedFun ``like``."""
+    return _lu.wrap_init(f, debug_info=getattr(like, "debug_info", None))
+
+
+# -- public re-emission of the higher-order primitives whose body is an open jaxpr ----------------
+def checkpoint_kwargs(params) -> dict:
+    """``jax.checkpoint`` keyword arguments that rebuild a ``checkpoint`` (remat) equation."""
+    return {"prevent_cse": params.get("prevent_cse", True), "policy": params.get("policy")}
+
+
+def shard_map_kwargs(params) -> dict:
+    """``jax.shard_map`` keyword arguments that rebuild a ``shard_map`` equation (flat operands)."""
+    return {
+        "mesh": params["mesh"],
+        "in_specs": tuple(params["in_specs"]),
+        "out_specs": tuple(params["out_specs"]),
+        "axis_names": set(params["newly_manual_axes"]),
+        "check_vma": params["check_vma"],
+    }

@@ -10,9 +10,8 @@ data: each shard's scale becomes one block of the output's scale grid, so nothin
 ``all_gather`` is a *raw* rule: a formatted operand (MXFP8, ...) is gathered as its stored bytes
 and scale bytes, so an FSDP weight gather moves ``1 + 1/32`` bytes per element instead of 4.
 
-The collective primitives are not all named by ``jax.extend``; the compat section below is the
-only place that reaches into ``jax._src`` for them (``scalify/_jax_compat.py`` is owned by the
-interpreter).
+The collective primitives are not all named by ``jax.extend``: ``scalify/_jax_compat.py`` (the
+one module that touches non-public JAX) finds them.
 """
 
 from __future__ import annotations
@@ -25,46 +24,24 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from scalify._jax_compat import bind_eqn, p, varying_axes
+from scalify._jax_compat import (
+    all_gather_p,
+    all_to_all_p,
+    bind_eqn,
+    pmax_p,
+    pmin_p,
+    ppermute_p,
+    psum_invariant_p,
+    psum_p,
+    pvary_p,
+    reduce_scatter_p,
+    reshard_p,
+    sharding_constraint_p,
+    varying_axes,
+)
 from scalify._registry import register_rule
 from scalify._rules_common import F32, fold, per_tensor, rescale, safe_scale, sqrt_rescale
 from scalify._scaled_array import ScaledArray, normalize_scale, to_carrier
-
-# -- compat: collective primitives (JAX 0.10: psum of a varying value binds psum_invariant, the
-# -- vma checker inserts pvary; older JAX has neither). Internal imports are confined to here.
-try:  # pragma: no cover - depends on the JAX version
-    from jax._src.lax import parallel as _par
-except ImportError:  # pragma: no cover
-    _par = None
-try:  # pragma: no cover
-    from jax._src import core as _core
-except ImportError:  # pragma: no cover
-    _core = None
-try:  # pragma: no cover - reshard_p is what jnp inserts between differently sharded operands
-    from jax._src import pjit as _pjit
-except ImportError:  # pragma: no cover
-    _pjit = None
-
-
-def _prim(name, *mods):
-    for mod in mods:
-        prim = getattr(mod, name, None) if mod is not None else None
-        if prim is not None:
-            return prim
-    return None
-
-
-psum_p = _prim("psum_p", p, _par)
-psum_invariant_p = _prim("psum_invariant_p", _par)
-pmax_p = _prim("pmax_p", p, _par)
-pmin_p = _prim("pmin_p", p, _par)
-all_gather_p = _prim("all_gather_p", p, _par)
-ppermute_p = _prim("ppermute_p", p, _par)
-all_to_all_p = _prim("all_to_all_p", p, _par)
-reduce_scatter_p = _prim("reduce_scatter_p", _par)  # psum_scatter
-pvary_p = _prim("pvary_p", _core, _par)
-sharding_constraint_p = _prim("sharding_constraint_p", p, _pjit)
-reshard_p = _prim("reshard_p", _pjit)
 
 
 def _present(*prims):

@@ -1,7 +1,8 @@
 """Rules for primitives with sub-jaxprs: the sub-jaxprs are interpreted with the same rule table.
 
 * ``jit`` / ``closed_call``: re-emitted as a nested ``jax.jit`` of the interpreted body;
-* ``checkpoint`` (remat): re-emitted as ``jax.checkpoint`` (same policy) of the interpreted body;
+* ``checkpoint`` (remat): re-emitted as ``jax.checkpoint`` (same policy) of the interpreted body,
+  by the walker's description of it (:data:`scalify._walk.HIGHER_ORDER`);
 * ``custom_jvp_call`` / ``custom_vjp_call``: with plain operands they are bound unchanged; with
   scaled operands they are re-emitted as ``jax.custom_jvp`` / ``jax.custom_vjp`` over the carrier
   leaves, with the interpreted primal and the user's derivative rule (also interpreted), so
@@ -23,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from scalify._config import get_config
-from scalify._interpreter import eval_closed, eval_jaxpr, scalify
+from scalify._interpreter import WALK, eval_closed, eval_jaxpr, scalify
 from scalify._jax_compat import (
     closed_call_p,
     cond_p,
@@ -50,6 +51,7 @@ from scalify._rules_common import (
     static_scalar,
 )
 from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
+from scalify._walk import rebuild
 
 _JIT_CACHE: dict = {}
 
@@ -303,13 +305,7 @@ def _custom_vjp_call(eqn, *args):
 
 @register_rule([remat_p], "control", "jax.checkpoint (same policy, prevent_cse) of the interpreted body.", raw=True)
 def _remat(eqn, *args):
-    jaxpr = eqn.params["jaxpr"]
-    fn = jax.checkpoint(
-        lambda *a: eval_jaxpr(jaxpr, (), *a),
-        prevent_cse=eqn.params.get("prevent_cse", True),
-        policy=eqn.params.get("policy"),
-    )
-    return fn(*args)
+    return rebuild(WALK, eqn, list(args))
 
 
 def _as_loop_value(x, scaled: bool):

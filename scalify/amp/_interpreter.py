@@ -1,12 +1,13 @@
-"""The amp interpreter: evaluate a jaxpr, recasting each equation's inputs according to a policy.
+"""The amp interpreter: walk a jaxpr, recasting each equation's inputs according to a policy.
 
 Values flow between equations in whatever dtype the last operation produced (so a chain of
 low-precision matmuls does not round-trip through float32); an equation without a policy entry gets
-its floating inputs cast back to the dtypes of the traced program. Sub-jaxprs (jit, scan, while,
-cond, checkpoint, custom_jvp / custom_vjp) are re-traced through the interpreter and re-bound with
-the same parameters, so the policy reaches inside them while shardings, donation, names and custom
-derivative rules are kept. At every sub-jaxpr boundary and at the output, values are cast back to
-their original dtypes, so the signature of every (sub-)program is unchanged.
+its floating inputs cast back to the dtypes of the traced program. amp is a rule table over
+:mod:`scalify._walk`: sub-jaxprs (jit, scan, while, cond, checkpoint, custom_jvp / custom_vjp,
+shard_map, ...) are rebuilt by the walker around bodies walked under the same policy, so shardings,
+donation, names and custom derivative rules are kept. At every sub-jaxpr boundary and at the
+output, values are cast back to their original dtypes, so the signature of every (sub-)program is
+unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalify.amp import _jax_compat as jc
+from scalify import _jax_compat as jc
+from scalify import _walk
 from scalify.amp._policy import (
     BindRule,
     QuantizeInputs,
@@ -77,167 +79,50 @@ def _normalise_policy(amp_policy) -> dict:
     return out
 
 
-def _read(env, v):
-    return v.val if isinstance(v, jc.Literal) else env[v]
-
-
 def _cast_to_avals(values, avals):
     return [cast_if_float(a.dtype, x) if hasattr(a, "dtype") else x for x, a in zip(values, avals, strict=True)]
 
 
-def _has_subjaxpr(params) -> bool:
-    for v in params.values():
-        vs = v if isinstance(v, (tuple, list)) else (v,)
-        if any(isinstance(x, (jc.ClosedJaxpr, jc.Jaxpr)) for x in vs):
-            return True
-    return False
+class _Amp(_walk.Walk):
+    """amp's walk under the named ``scopes`` around the walked jaxpr (outermost first)."""
+
+    def __init__(self, ctx: _Context, scopes: tuple[str, ...] = ()):
+        self.ctx = ctx
+        self.scopes = scopes
+        self.cache = ctx.retraced
+        self.key = scopes
+
+    def apply(self, eqn, invals):
+        """Higher-order primitives are rebuilt around walked bodies; others follow the policy."""
+        scopes = (*self.scopes, *jc.scope_names(eqn.source_info.name_stack))
+        prim = eqn.primitive
+        if _walk.has_sub_jaxprs(eqn):
+            # A sub-jaxpr keeps its signature: its operands get the traced program's dtypes back.
+            invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
+            if prim in _walk.HIGHER_ORDER:
+                return _walk.rebuild(_Amp(self.ctx, scopes), eqn, invals)
+            return jc.bind_params(prim, invals, eqn.params)  # one the walker does not describe
+        rule = self.ctx.lookup(scopes, prim)
+        subfuns, params = jc.get_bind_params(prim, eqn.params)
+        if isinstance(rule, BindRule):
+            invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
+            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars])
+        orig_dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
+        if isinstance(rule, QuantizeInputs):
+            invals, params = rule.apply(prim, self.ctx.compute_dtype, orig_dtypes, invals, params)
+        else:
+            invals, params = rule(self.ctx.compute_dtype, orig_dtypes, *invals, **params)
+        outs = prim.bind(*subfuns, *invals, **params)
+        return outs if prim.multiple_results else [outs]
+
+    def outputs(self, jaxpr, outs):
+        """Outputs in the jaxpr's own dtypes: every (sub-)program keeps its signature."""
+        return _cast_to_avals(outs, [v.aval for v in jaxpr.outvars])
 
 
 def eval_jaxpr(ctx: _Context, closed, args, scopes: tuple[str, ...] = ()) -> list:
     """Evaluate ``closed`` on ``args`` under the amp policy; outputs have the jaxpr's dtypes."""
-    jaxpr = closed.jaxpr
-    env: dict = {}
-    for v, x in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    base_name_stack = jc.current_name_stack()
-    for eqn in jaxpr.eqns:
-        invals = [_read(env, v) for v in eqn.invars]
-        orig_dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
-        eqn_scopes = (*scopes, *jc.scope_names(eqn.source_info.name_stack))
-        prim = eqn.primitive
-        with jc.eqn_context(eqn, base_name_stack):
-            handler = _HIGHER_ORDER.get(prim)
-            if handler is not None:
-                invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
-                outs = handler(ctx, eqn, invals, eqn_scopes)
-            elif _has_subjaxpr(eqn.params):
-                # Unknown higher-order primitive (shard_map, custom batching, ...): run it unchanged.
-                invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
-                outs = _bind(prim, invals, eqn.params)
-            else:
-                rule = ctx.lookup(eqn_scopes, prim)
-                subfuns, params = jc.get_bind_params(prim, eqn.params)
-                if isinstance(rule, BindRule):
-                    invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
-                    outs = rule.bind(prim, invals, params, [v.aval for v in eqn.outvars])
-                else:
-                    if isinstance(rule, QuantizeInputs):
-                        invals, params = rule.apply(prim, ctx.compute_dtype, orig_dtypes, invals, params)
-                    else:
-                        invals, params = rule(ctx.compute_dtype, orig_dtypes, *invals, **params)
-                    outs = prim.bind(*subfuns, *invals, **params)
-                    if not prim.multiple_results:
-                        outs = [outs]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, jc.DropVar):
-                env[v] = x
-    outs = [_read(env, v) for v in jaxpr.outvars]
-    return _cast_to_avals(outs, [v.aval for v in jaxpr.outvars])
-
-
-def _bind(prim, invals, params):
-    subfuns, bind_params = jc.get_bind_params(prim, params)
-    outs = prim.bind(*subfuns, *invals, **bind_params)
-    return list(outs) if prim.multiple_results else [outs]
-
-
-def retrace(ctx: _Context, closed, scopes: tuple[str, ...]):
-    """A ClosedJaxpr with ``closed``'s signature whose body runs under the amp policy."""
-    key = (closed, scopes)
-    cached = ctx.retraced.get(key)
-    if cached is not None and cached[0] is closed:
-        return cached[1]
-
-    def body(*args):
-        return eval_jaxpr(ctx, closed, args, scopes)
-
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
-    with jc.fresh_name_stack():
-        new = jax.make_jaxpr(body)(*specs)
-    ctx.retraced[key] = (closed, new)  # keeps ``closed`` alive so the key's identity stays valid
-    return new
-
-
-# ------------------------------------------------------------------------------------------------
-# Higher-order primitives
-# ------------------------------------------------------------------------------------------------
-
-
-def _jit_rule(ctx, eqn, invals, scopes):
-    params = dict(eqn.params, jaxpr=retrace(ctx, eqn.params["jaxpr"], scopes))
-    return _bind(eqn.primitive, invals, params)
-
-
-def _scan_rule(ctx, eqn, invals, scopes):
-    params = dict(eqn.params, jaxpr=retrace(ctx, eqn.params["jaxpr"], scopes))
-    return _bind(eqn.primitive, invals, params)
-
-
-def _while_rule(ctx, eqn, invals, scopes):
-    params = dict(
-        eqn.params,
-        cond_jaxpr=retrace(ctx, eqn.params["cond_jaxpr"], scopes),
-        body_jaxpr=retrace(ctx, eqn.params["body_jaxpr"], scopes),
-    )
-    return _bind(eqn.primitive, invals, params)
-
-
-def _cond_rule(ctx, eqn, invals, scopes):
-    branches = tuple(retrace(ctx, b, scopes) for b in eqn.params["branches"])
-    return _bind(eqn.primitive, invals, dict(eqn.params, branches=branches))
-
-
-def _remat_rule(ctx, eqn, invals, scopes):
-    closed = jc.ClosedJaxpr(eqn.params["jaxpr"], ())
-
-    def body(*args):
-        return eval_jaxpr(ctx, closed, args, scopes)
-
-    ckpt = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
-    return list(ckpt(*invals))
-
-
-def _custom_jvp_rule(ctx, eqn, invals, scopes):
-    params = dict(eqn.params)
-    params["call_jaxpr"] = retrace(ctx, params["call_jaxpr"], scopes)
-    orig_jvp = params["jvp_jaxpr_fun"]
-
-    @functools.cache
-    def amp_jvp_jaxpr(*zeros):
-        jvp_jaxpr, consts, out_zeros = orig_jvp.call_wrapped(*zeros)
-        new = retrace(ctx, jc.ClosedJaxpr(jvp_jaxpr, consts), scopes)
-        return new.jaxpr, new.consts, out_zeros
-
-    params["jvp_jaxpr_fun"] = jc.wrap_init(amp_jvp_jaxpr, orig_jvp)
-    return _bind(eqn.primitive, invals, params)
-
-
-def _custom_vjp_rule(ctx, eqn, invals, scopes):
-    params = dict(eqn.params)
-    params["call_jaxpr"] = retrace(ctx, params["call_jaxpr"], scopes)
-    orig_fwd = params["fwd_jaxpr_thunk"]
-
-    @functools.cache
-    def amp_fwd_jaxpr(*nonzeros):
-        fwd_jaxpr, consts = orig_fwd.call_wrapped(*nonzeros)
-        new = retrace(ctx, jc.ClosedJaxpr(fwd_jaxpr, consts), scopes)
-        return new.jaxpr, new.consts
-
-    params["fwd_jaxpr_thunk"] = jc.wrap_init(amp_fwd_jaxpr, orig_fwd)
-    return _bind(eqn.primitive, invals, params)
-
-
-_HIGHER_ORDER = {
-    jc.jit_p: _jit_rule,
-    jc.scan_p: _scan_rule,
-    jc.while_p: _while_rule,
-    jc.cond_p: _cond_rule,
-    jc.remat_p: _remat_rule,
-    jc.custom_jvp_call_p: _custom_jvp_rule,
-    jc.custom_vjp_call_p: _custom_vjp_rule,
-}
+    return _walk.eval_closed(_Amp(ctx, scopes), closed, args)
 
 
 # ------------------------------------------------------------------------------------------------

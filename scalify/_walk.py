@@ -1,0 +1,259 @@
+"""The one jaxpr walker under scalify, amp and the recipes.
+
+As in JAX's own transformations there are three parts:
+
+* one evaluation loop (:func:`eval_jaxpr`): literals, dropped outputs, each equation re-emitted
+  under its own source info (traceback and name stack, so ``jax.named_scope`` survives) and
+  context (compute type, ...), errors from rules annotated in one place (:func:`note_error`);
+* one description per higher-order primitive (:data:`HIGHER_ORDER`): where its sub-jaxprs are and
+  how to rebuild it around interpreted ones (:func:`rebuild`);
+* a rule table per transformation: a :class:`Walk` subclass deciding what each equation becomes
+  (scalify's ``RULES`` over ScaledArray carriers, amp's dtype policy).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from scalify._jax_compat import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    Literal,
+    bind_params,
+    checkpoint_kwargs,
+    closed_call_p,
+    cond_p,
+    current_name_stack,
+    custom_jvp_call_p,
+    custom_vjp_call_p,
+    fresh_name_stack,
+    jaxprs_in_params,
+    jit_p,
+    remat_p,
+    scan_p,
+    shard_map_kwargs,
+    shard_map_p,
+    source_context,
+    source_line,
+    while_p,
+    wrap_init,
+)
+
+
+class Walk:
+    """A transformation's rule table: what each equation of a walked jaxpr becomes.
+
+    The default binds every equation unchanged and walks into higher-order primitives, so a
+    subclass overrides :meth:`apply` for the equations it changes.
+    """
+
+    #: ``{(closed, key): (closed, retraced)}`` shared by the walks of one call (None: no cache).
+    cache: dict | None = None
+    #: what, besides the sub-jaxpr, its retraced form depends on (amp: the enclosing scopes).
+    key: object = None
+
+    def eval(self, jaxpr, consts, args) -> list:
+        """Evaluate a (sub-)jaxpr; a transformation with per-evaluation state starts it here."""
+        return eval_jaxpr(self, jaxpr, consts, args)
+
+    def apply(self, eqn, invals) -> list:
+        """The outputs of ``eqn`` on ``invals`` (a list, also for single-result primitives)."""
+        if eqn.primitive in HIGHER_ORDER:
+            return rebuild(self, eqn, invals)
+        return bind_params(eqn.primitive, invals, eqn.params)
+
+    def outputs(self, jaxpr, outs) -> list:
+        """The values a (sub-)jaxpr returns, from those its outvars hold."""
+        return outs
+
+    def describe(self, x) -> str:
+        """How an operand appears in error messages."""
+        return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
+
+
+def eval_jaxpr(walk: Walk, jaxpr, consts, args) -> list:
+    """Evaluate the open ``jaxpr`` on ``consts`` and ``args``, each equation through ``walk.apply``."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    base = current_name_stack()  # the scopes around this evaluation, prefixed to each equation's
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        with source_context(eqn, base), eqn.ctx.manager:
+            try:
+                outs = walk.apply(eqn, invals)
+            except Exception as exc:
+                note_error(exc, eqn, invals, walk.describe)
+                raise
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, DropVar):
+                env[v] = x
+    return walk.outputs(jaxpr, [read(v) for v in jaxpr.outvars])
+
+
+def note_error(exc: BaseException, eqn, invals, describe: Callable) -> None:
+    """Add to ``exc`` the failing primitive, its operand types and the user's source line.
+
+    Called at every level the error passes through (an error in a jit body also passes through the
+    ``jit`` equation around it): the innermost equation names the primitive and operands, the
+    innermost one with a user frame (jnp functions are jits of JAX-internal code) names the line.
+    The exception keeps its type and message; the note is added once.
+    """
+    if getattr(exc, "_scalify_eqn_located", False):
+        return
+    failed = getattr(exc, "_scalify_eqn_failed", None)
+    if failed is None:
+        try:
+            operands = ", ".join(describe(x) for x in invals)
+        except Exception:  # pragma: no cover - describing must not hide the error
+            operands = "?"
+        failed = exc._scalify_eqn_failed = (eqn.primitive.name, operands)
+    line = source_line(eqn)
+    if not line or line == "unknown":
+        return  # JAX-internal code: an enclosing equation names the user's line
+    name, operands = failed
+    where = f"at {line}" if name == eqn.primitive.name else f"(inside `{eqn.primitive.name}` at {line})"
+    exc.add_note(f"While transforming `{name}` {where} on operands ({operands}).")
+    exc._scalify_eqn_located = True
+
+
+def eval_closed(walk: Walk, closed, args) -> list:
+    """Evaluate a ClosedJaxpr with ``walk`` (a fresh evaluation: :meth:`Walk.eval`)."""
+    return walk.eval(closed.jaxpr, closed.consts, list(args))
+
+
+def interpreted(walk: Walk, closed) -> Callable:
+    """``closed`` as a Python function evaluated by ``walk``."""
+    return lambda *args: eval_closed(walk, closed, args)
+
+
+def retrace(walk: Walk, closed):
+    """A ClosedJaxpr with ``closed``'s signature (avals, including shard_map's varying axes and
+    sharding) whose body is ``closed`` evaluated by ``walk``; cached in ``walk.cache``."""
+    key = (closed, walk.key)
+    hit = walk.cache.get(key) if walk.cache is not None else None
+    if hit is not None and hit[0] is closed:
+        return hit[1]
+    with fresh_name_stack():  # as jax.jit traces a body: its scopes are its own
+        new = jax.make_jaxpr(interpreted(walk, closed))(*closed.in_avals)
+    if walk.cache is not None:
+        walk.cache[key] = (closed, new)  # keeps ``closed`` alive so the key's identity stays valid
+    return new
+
+
+# -- higher-order primitives ------------------------------------------------------------------------
+
+
+class HigherOrder(NamedTuple):
+    """Where a higher-order primitive keeps its sub-jaxprs, and how it is rebuilt around new ones.
+
+    Attributes:
+        closed: params holding ClosedJaxprs (or tuples of them, cond's ``branches``); rebuilt by
+            binding the primitive again with each replaced by its retraced form (same signature), so
+            every other param (shardings, donation, names, unroll, ...) is kept.
+        thunks: params holding a lazy rule (custom_jvp's JVP, custom_vjp's forward) that returns
+            ``(jaxpr, consts, *rest)``; its jaxpr is retraced when JAX asks for it.
+        open: the param holding an open Jaxpr (no consts), rebuilt by ``emit``.
+        emit: ``emit(params, body, invals) -> outs`` re-emits the primitive through its public API
+            with ``body``, the walked ``open`` jaxpr, as the function.
+    """
+
+    closed: tuple[str, ...] = ()
+    thunks: tuple[str, ...] = ()
+    open: str | None = None
+    emit: Callable | None = None
+
+
+def _emit_checkpoint(params, body, invals):
+    return list(jax.checkpoint(body, **checkpoint_kwargs(params))(*invals))
+
+
+def _emit_shard_map(params, body, invals):
+    # The public shard_map traces the body with the mesh axes bound and the per-shard types.
+    return list(jax.shard_map(lambda *a: tuple(body(*a)), **shard_map_kwargs(params))(*invals))
+
+
+HIGHER_ORDER: dict = {
+    jit_p: HigherOrder(closed=("jaxpr",)),
+    closed_call_p: HigherOrder(closed=("call_jaxpr",)),
+    cond_p: HigherOrder(closed=("branches",)),
+    while_p: HigherOrder(closed=("cond_jaxpr", "body_jaxpr")),
+    scan_p: HigherOrder(closed=("jaxpr",)),
+    custom_jvp_call_p: HigherOrder(closed=("call_jaxpr",), thunks=("jvp_jaxpr_fun",)),
+    custom_vjp_call_p: HigherOrder(closed=("call_jaxpr",), thunks=("fwd_jaxpr_thunk",)),
+    remat_p: HigherOrder(open="jaxpr", emit=_emit_checkpoint),
+}
+if shard_map_p is not None:
+    HIGHER_ORDER[shard_map_p] = HigherOrder(open="jaxpr", emit=_emit_shard_map)
+
+
+def sub_jaxprs(eqn) -> list:
+    """The sub-jaxprs ``eqn`` evaluates eagerly (ClosedJaxprs or open Jaxprs, as its params hold
+    them; lazy derivative rules excluded)."""
+    spec = HIGHER_ORDER.get(eqn.primitive)
+    if spec is None:  # a higher-order primitive this module does not describe
+        return list(jaxprs_in_params(eqn.params))
+    out = []
+    for name in spec.closed:
+        value = eqn.params[name]
+        out.extend(value if isinstance(value, (tuple, list)) else [value])
+    if spec.open is not None:
+        out.append(eqn.params[spec.open])
+    return out
+
+
+def has_sub_jaxprs(eqn) -> bool:
+    """Whether ``eqn`` is a higher-order primitive (described here or not)."""
+    if eqn.primitive in HIGHER_ORDER:
+        return True
+    for v in eqn.params.values():
+        vs = v if isinstance(v, (tuple, list)) else (v,)
+        if any(isinstance(x, (ClosedJaxpr, Jaxpr)) for x in vs):
+            return True
+    return False
+
+
+def _retraced_thunk(walk: Walk, thunk):
+    """The lazy rule ``thunk`` with the jaxpr it returns retraced by ``walk``."""
+
+    @functools.cache
+    def rule(*args):
+        jaxpr, consts, *rest = thunk.call_wrapped(*args)
+        new = retrace(walk, ClosedJaxpr(jaxpr, consts))
+        return (new.jaxpr, new.consts, *rest)
+
+    return wrap_init(rule, thunk)
+
+
+def rebuild(walk: Walk, eqn, invals) -> list:
+    """Re-emit the higher-order ``eqn`` on ``invals`` with every sub-jaxpr walked by ``walk``.
+
+    Sub-jaxprs keep their signatures, so this suits transformations that keep value types (amp);
+    scalify's control rules change them (ScaledArray carriers) and re-emit through ``lax``.
+    """
+    spec = HIGHER_ORDER[eqn.primitive]
+    if spec.emit is not None:
+        body = interpreted(walk, ClosedJaxpr(eqn.params[spec.open], ()))
+        return spec.emit(eqn.params, body, invals)
+    params = dict(eqn.params)
+    for name in spec.closed:
+        value = params[name]
+        if isinstance(value, (tuple, list)):
+            params[name] = type(value)(retrace(walk, c) for c in value)
+        else:
+            params[name] = retrace(walk, value)
+    for name in spec.thunks:
+        params[name] = _retraced_thunk(walk, params[name])
+    return bind_params(eqn.primitive, invals, params)
