@@ -130,6 +130,7 @@ def with_numerics(mode: Mode, fn: Callable) -> Callable:
 
 
 def _cross_entropy(logits, labels, n_classes):
+    """Mean cross-entropy, computed in float32 in every mode."""
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     onehot = jax.nn.one_hot(labels, n_classes, dtype=jnp.float32)
@@ -137,10 +138,12 @@ def _cross_entropy(logits, labels, n_classes):
 
 
 def _plain(x):
+    """The value of a ScaledArray (a loss under scalify), or ``x``."""
     return x.to_array() if isinstance(x, scalify.ScaledArray) else x
 
 
 def _make_optimizer(kind, lr, fp32_update=False):
+    """optax SGD or Adam; ``fp32_update``: :func:`adam_fp32_update` (float16 ScaledArray moments)."""
     if kind == "sgd":
         return optax.sgd(lr)
     if fp32_update:
