@@ -24,7 +24,7 @@ from qformats._builtins import (
 )
 from qformats._checkpoint import CheckpointError, QuantizedTensor, read_checkpoint
 from qformats._ckpt_writers import write_compressed_tensors, write_gguf
-from qformats._compare import compare
+from qformats._cli._engine import compare
 from qformats._elements import FloatElement, IntElement
 from qformats._float8_training import ReciprocalScaleFloat8
 from qformats._format import ScaledFormat

@@ -1,4 +1,4 @@
-"""``python -m qformats``: see :mod:`qformats._cli`."""
+"""``python -m qformats``: the command line is :mod:`qformats._cli`, its analysis :mod:`qformats._cli._engine`."""
 
 from qformats._cli import main
 

@@ -1,4 +1,4 @@
-"""Produce docs/accuracy.md (and docs/accuracy_transformer_loss.png) with scalify.train.
+"""Produce docs/accuracy.md (and docs/accuracy_transformer_loss.png) with examples/train.
 
     python scripts/accuracy_table.py [--mlp-steps N] [--gpt-steps N] [--scale-steps N] [--seeds 0,1,2]
 
@@ -18,9 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from scalify.train import _loop, list_modes, plot_histories, train
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # examples/ is not installed: run as `python scripts/accuracy_table.py`
+    sys.path.insert(0, str(ROOT))
+
+from examples.train import data, list_modes, loop, models, plot_histories, train  # noqa: E402
+
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
 # The init-scale experiment uses the unnormalised `scale * randn` initialisation (JAX's MNIST example).
 SCALE_HPARAMS = {"init_std": 1.0, "lr": 1e-3}
@@ -56,13 +59,11 @@ def _init_logit_max(scale, seeds):
     """Largest |logit| of the initial float32 init-scale-experiment MLP over the training images, per seed."""
     import jax
 
-    from scalify.train import _data, _models
-
-    x = _data.load_digits()[0]
+    x = data.load_digits()[0]
     out = []
     for s in seeds:
-        p = _models.mlp_init(jax.random.key(s), scale, _models.MLP_SIZES, SCALE_HPARAMS["init_std"])
-        logits = _models.mlp_apply(p, x, _models.Numerics())
+        p = models.mlp_init(jax.random.key(s), scale, models.MLP_SIZES, SCALE_HPARAMS["init_std"])
+        logits = models.mlp_apply(p, x)
         out.append(float(np.max(np.abs(np.asarray(logits)))))
     return out
 
@@ -174,28 +175,24 @@ def main(argv=None):
         "they are short training runs, not converged models."
     )
     w("")
-    w("How each mode trains (`python -m scalify.train --format NAME`):")
+    w("How each mode trains (`python -m examples.train --format NAME`):")
     w("")
     w("| mode | mechanism |")
     w("|---|---|")
     for m in list_modes():
-        w(f"| `{m}` | {_loop.describe_mode(m)} |")
+        w(f"| `{m}` | {loop.describe_mode(m)} |")
     w("")
     w(
         "The registered formats `fp16` and `bf16` are not swept as quantization formats: those names are the "
         "plain-dtype modes of the command. Backward matmuls of the quantized-format modes run on float32 "
-        "gradients (straight-through estimator of `scalify.ops.quantize`), except `fp8_e4m3`, whose matmul-output "
-        "gradients are quantized to per-tensor `fp8_e5m2`; weights and optimizer state stay float32 there. "
-        "In every scalify mode the matmul-output gradients and the parameter gradients are rescaled dynamically "
-        "(`scalify.ops.dynamic_rescale_l2[_grad]`, powers of two, so exact on a float32 carrier): scalify's "
-        "per-tensor `dot_general` rule multiplies scales without renormalising the data, and without the rescaling "
-        "a gradient's data drifts towards float32's underflow while its scale grows towards overflow (`fp8_e5m2` "
-        "trained the transformer to NaN that way, when Adam squared such a gradient; scalify's `mul` rule now "
-        "renormalises two scaled operands first, so that no longer gives NaN, and the rescaling keeps the data "
-        "near 1). Under `fp16-scalify`, Adam's second moment is stored as "
+        "gradients (straight-through estimator of `scalify.amp`'s fake quantization), except `fp8_e4m3`, whose "
+        "matmul-output gradients are quantized to per-tensor `fp8_e5m2` (a `scalify.recipes.Recipe`); weights and "
+        "optimizer state stay float32 there. The models are plain JAX (`examples/train/models.py`): no format, "
+        "scale or rescaling is written in them; under `fp16-scalify` scalify's rules set every scale. "
+        "Under `fp16-scalify`, Adam's second moment is stored as "
         "`sqrt(nu)` in float16: `nu = g^2` spans ~1e12 within one weight matrix of the transformer, more than "
         "float16 holds under one scale, and its flushed-to-zero entries gave updates `mu / eps` thousands of times "
-        "Adam's step size (see `adam_fp32_update` in `scalify/train/_loop.py`)."
+        "Adam's step size (see `adam_fp32_update` in `examples/train/loop.py`)."
     )
     w("")
     w("## Float16 and the initialisation scale (digits MLP)")
@@ -272,8 +269,8 @@ def main(argv=None):
     w("## Digits MLP, every mode")
     w("")
     w(
-        f"MLP 64-256-256-10 (ReLU), weights N(0, 1/fan_in), SGD lr {_loop.MLP_HPARAMS['lr']}, batch "
-        f"{_loop.MLP_HPARAMS['batch_size']}, {args.mlp_steps} steps. Δ acc is in accuracy points (percent) "
+        f"MLP 64-256-256-10 (ReLU), weights N(0, 1/fan_in), SGD lr {loop.MLP_HPARAMS['lr']}, batch "
+        f"{loop.MLP_HPARAMS['batch_size']}, {args.mlp_steps} steps. Δ acc is in accuracy points (percent) "
         "against the fp32 mean."
     )
     w("")
@@ -297,10 +294,10 @@ def main(argv=None):
     w("")
     w("## Character-level transformer")
     w("")
-    g = _loop.GPT_HPARAMS
+    g = loop.GPT_HPARAMS
     w(
         "GPT-style pre-LayerNorm transformer (2 layers, d_model 64, 2 heads, MLP 256, context 64, ASCII vocabulary "
-        f"of 128) on the source of standard-library modules ({', '.join(_loop._data.TEXT_MODULES)}), last 10% held "
+        f"of 128) on the source of standard-library modules ({', '.join(data.TEXT_MODULES)}), last 10% held "
         f"out. Adam lr {g['lr']}, batch {g['batch_size']}, {args.gpt_steps} steps; validation loss (nats/char) on "
         f"{g['eval_batches']} fixed batches of validation windows. Δ is relative to the fp32 mean. s/step is the "
         "median over the seeds of the mean time of a training step after the first (which compiles), on this "

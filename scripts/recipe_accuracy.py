@@ -4,8 +4,8 @@
     python scripts/recipe_accuracy.py --ablation-seeds 0,1,2  # the NVFP4 ablations on three seeds
     python scripts/recipe_accuracy.py --render-only          # rewrite the doc from the JSON, no training
 
-Trains ``scalify.train``'s transformer in float32 (the baseline) and under every built-in recipe
-(``recipes.apply(loss, recipe)`` on the unchanged float32 model, as ``python -m scalify.train --recipe NAME``),
+Trains ``examples.train``'s transformer in float32 (the baseline) and under every built-in recipe
+(``recipes.apply(loss, recipe)`` on the unchanged float32 model, as ``python -m examples.train --recipe NAME``),
 then three NVFP4 ablations (on ``--ablation-seeds``, default the first seed): no random Hadamard transform
 on the weight-gradient GEMM, no stochastic rounding, neither. Runs go in order of importance (float32 seed 0,
 every recipe seed 0, then the next seeds, then the ablations) and each finished run is appended to the JSON
@@ -57,30 +57,30 @@ def _ablations():
 
 
 def _install_ablation_modes():
-    """Let ``scalify.train`` train the ablation recipes, for this process only.
+    """Let ``examples.train`` train the ablation recipes, for this process only.
 
-    ``_loop.get_mode`` resolves ``recipe:NAME`` through the built-in recipes; the wrapper answers the
+    ``loop.get_mode`` resolves ``recipe:NAME`` through the built-in recipes; the wrapper answers the
     ablation names first (same Mode construction as a built-in recipe) and defers to the original for
     everything else. Nothing is registered in the library.
     """
-    from scalify.train import _loop, _models
+    from examples.train import loop
 
-    if getattr(_loop.get_mode, "_recipe_accuracy", False):
+    if getattr(loop.get_mode, "_recipe_accuracy", False):
         return
     import jax.numpy as jnp
 
     extra = _ablations()
-    original = _loop.get_mode
+    original = loop.get_mode
 
     def get_mode(name):
-        if name.startswith(_loop.RECIPE_PREFIX) and name[len(_loop.RECIPE_PREFIX) :] in extra:
-            recipe = extra[name[len(_loop.RECIPE_PREFIX) :]]
+        if name.startswith(loop.RECIPE_PREFIX) and name[len(loop.RECIPE_PREFIX) :] in extra:
+            recipe = extra[name[len(loop.RECIPE_PREFIX) :]]
             mech = f"recipes.apply(loss, {ABLATION_NAMES[recipe.name]}) on the unchanged float32 model"
-            return _loop.Mode(name, _models.Numerics(dtype=jnp.float32), False, mech, recipe)
+            return loop.Mode(name, jnp.float32, mech, quantize=recipe)
         return original(name)
 
     get_mode._recipe_accuracy = True
-    _loop.get_mode = get_mode
+    loop.get_mode = get_mode
 
 
 def _plan(seeds, ablation_seeds, only=None):
@@ -139,14 +139,14 @@ def _machine():
 def run(args):
     import attrs
 
-    from scalify.train import _loop, _models, train
+    from examples.train import loop, models, train
 
     _install_ablation_modes()
     data = _load(args.json)
     meta = data["meta"]
     meta.setdefault("machine", _machine())
-    meta.setdefault("hparams", dict(_loop.GPT_HPARAMS))
-    meta.setdefault("gpt", attrs.asdict(_models.GPTConfig()))
+    meta.setdefault("hparams", dict(loop.GPT_HPARAMS))
+    meta.setdefault("gpt", attrs.asdict(models.GPTConfig()))
     meta.setdefault("sessions", []).append({"start": _now()})
     _save(args.json, data)
     plan = _plan(args.seeds, args.ablation_seeds, args.only)
@@ -157,7 +157,7 @@ def run(args):
         if args.stop_at and datetime.datetime.now(datetime.timezone.utc) >= args.stop_at:
             print(f"stop-at reached; not starting {key}", file=sys.stderr)
             break
-        fmt = "fp32" if name == "fp32" else _loop.recipe_mode(name)
+        fmt = "fp32" if name == "fp32" else loop.recipe_mode(name)
         t0 = time.perf_counter()
         r = train(model=MODEL, fmt=fmt, steps=args.steps, seed=seed)
         wall = time.perf_counter() - t0
@@ -268,9 +268,9 @@ def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
     lines = [
         "# Accuracy of the training recipes",
         "",
-        "Final validation loss of `scalify.train`'s character transformer trained in float32 and under each "
+        "Final validation loss of `examples.train`'s character transformer trained in float32 and under each "
         "built-in `scalify.recipes` recipe (`recipes.apply(loss, recipe)` on the unchanged float32 model, as "
-        f"`python -m scalify.train --model transformer --recipe NAME --steps {steps}`). Produced by "
+        f"`python -m examples.train --model transformer --recipe NAME --steps {steps}`). Produced by "
         "`python scripts/recipe_accuracy.py`; every number here comes from its runs.",
         "",
         f"## Results ({steps} steps)",
@@ -378,10 +378,10 @@ def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
         "",
         "## Setup",
         "",
-        "* Model: `scalify.train`'s character transformer, "
+        "* Model: `examples.train`'s character transformer, "
         f"`GPTConfig({', '.join(f'{k}={v}' for k, v in gpt.items())})`"
         " (pre-LayerNorm decoder), trained on the source of 12 Python standard-library modules as ASCII "
-        "characters (`scalify.train._data.load_text`, last 10% held out); validation loss: "
+        "characters (`examples.train.data.load_text`, last 10% held out); validation loss: "
         f"{hp.get('eval_batches', '?')} batches of held-out windows.",
         f"* Training: {steps} steps, batch size {hp.get('batch_size', '?')}, {hp.get('optimizer', '?')} with "
         f"learning rate {hp.get('lr', '?')}; float32 master weights and optimizer state in every row (a recipe "

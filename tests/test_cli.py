@@ -403,12 +403,13 @@ def test_saturation_threshold(tmp_path):
 
 
 def test_cli_defaults_match_the_api():
-    from qformats import _cli, _compare
+    from qformats import _cli
+    from qformats._cli import _engine
 
-    assert _cli.DEFAULT_MAX_FLUSHED_PCT / 100 == _compare.DEFAULT_MAX_FLUSHED
-    assert _cli.DEFAULT_MAX_SATURATED_PCT / 100 == _compare.DEFAULT_MAX_SATURATED
+    assert _cli.DEFAULT_MAX_FLUSHED_PCT / 100 == _engine.DEFAULT_MAX_FLUSHED
+    assert _cli.DEFAULT_MAX_SATURATED_PCT / 100 == _engine.DEFAULT_MAX_SATURATED
     args = _cli.build_parser().parse_args(["compare"])
-    assert args.max_flushed / 100 == _compare.DEFAULT_MAX_FLUSHED
+    assert args.max_flushed / 100 == _engine.DEFAULT_MAX_FLUSHED
     for bad in ("150", "-1", "nan", "x"):
         with pytest.raises(SystemExit):
             _cli.build_parser().parse_args(["compare", "--max-flushed", bad])
@@ -430,7 +431,7 @@ def test_npy_header_is_checked_before_numpy_allocates(tmp_path):
     import tracemalloc
     import zipfile
 
-    from qformats import _compare
+    from qformats._cli import _engine
 
     x = np.arange(16, dtype=np.float32).reshape(4, 4)
     with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:
@@ -441,7 +442,7 @@ def test_npy_header_is_checked_before_numpy_allocates(tmp_path):
     tracemalloc.start()
     try:
         paths = [tmp_path / "huge.npz", tmp_path / "short.npy", tmp_path / "long.npy"]
-        tensors, problems = _compare.load_tensors(paths)
+        tensors, problems = _engine.load_tensors(paths)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -459,5 +460,26 @@ def test_npy_header_is_checked_before_numpy_allocates(tmp_path):
     for pos in (raw.index(b"PK\x03\x04") + 22, raw.index(b"PK\x01\x02") + 24):  # uncompressed size fields
         raw[pos : pos + 4] = (info.compress_size * 5000).to_bytes(4, "little")
     (tmp_path / "bomb.npz").write_bytes(bytes(raw))
-    tensors, problems = _compare.load_tensors([tmp_path / "bomb.npz"])
+    tensors, problems = _engine.load_tensors([tmp_path / "bomb.npz"])
     assert tensors == [] and "cannot do" in problems[0]
+
+
+def test_cli_parsing_imports_no_jax():
+    # qformats/__init__ imports jax for the formats; the CLI module itself must not, so that it can
+    # parse (and answer --help) before the engine loads. The package's __init__ is bypassed with a
+    # bare package module, so only what qformats._cli imports is loaded.
+    code = (
+        "import importlib.util, sys, types\n"
+        "spec = importlib.util.find_spec('qformats')\n"
+        "pkg = types.ModuleType('qformats'); pkg.__path__ = list(spec.submodule_search_locations)\n"
+        "sys.modules['qformats'] = pkg\n"
+        "from qformats._cli import build_parser\n"
+        "for argv in (['--help'], ['compare', '--help']):\n"
+        "    try:\n"
+        "        build_parser().parse_args(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'qformats._cli._engine'))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 import qformats as qf
 import scalify as jsa
 import scalify._rules_collectives
+from examples.train.models import GPTConfig, gpt_init, layer_norm
 from scalify import ops
-from scalify.train._models import GPTConfig, Numerics, gpt_init, layer_norm, qeinsum
 
 D_IN, D_HID, D_OUT, BATCH = 64, 128, 64, 16
 
@@ -89,8 +89,8 @@ TP_SPECS = {"params": {"w1": P(None, "m"), "w2": P("m", None)}, "x": P("d"), "y"
 
 
 # -- a GPT-style transformer block ------------------------------------------------------------------
-# The pre-LayerNorm block of scalify.train's character GPT (``gpt_apply``), built from the same
-# pieces (``gpt_init``, ``layer_norm``, ``qeinsum``). ``gpt_apply`` itself is not used: it embeds
+# The pre-LayerNorm block of examples/train's character GPT (``gpt_apply``), built from the same
+# pieces (``gpt_init``, ``layer_norm``, einsums). ``gpt_apply`` itself is not used: it embeds
 # tokens and projects QKV with one fused ``(d, 3d)`` weight split into [Q | K | V], so a column split
 # of it would not keep whole heads on a device. Megatron keeps heads local, so Q, K and V are the
 # three column thirds of ``gpt_init``'s ``w_qkv``, held as separate weights.
@@ -99,7 +99,6 @@ TP_SPECS = {"params": {"w1": P(None, "m"), "w2": P("m", None)}, "x": P("d"), "y"
 BLOCK_CFG = GPTConfig(vocab=32, context=16, d_model=128, n_heads=4, n_layers=1, d_ff=256)
 BLOCK_BATCH = 8
 BLOCK_LR = np.float32(0.5)
-_NUM = Numerics()  # float32, matmul operands not re-quantized: the parameters carry the format
 _COL, _ROW, _REP = P(None, "m"), P("m", None), P()
 
 # Megatron tensor parallelism: QKV and MLP-up column-split (output features over "m"), attention
@@ -172,9 +171,10 @@ def _identity(v):
 
 
 def _mm(spec, a, b, out_sharding=None):
+    """A matmul of the block; the parameters carry the format, nothing is re-quantized here."""
     if out_sharding is None:
-        return qeinsum(_NUM, spec, a, b, (-1, -2), (0, -1))
-    return jnp.einsum(spec, a, b, out_sharding=out_sharding)  # qeinsum with _NUM is this einsum
+        return jnp.einsum(spec, a, b)
+    return jnp.einsum(spec, a, b, out_sharding=out_sharding)
 
 
 def block_apply(p, x, f=_identity, g=_identity, out_sharding=None):
@@ -185,7 +185,7 @@ def block_apply(p, x, f=_identity, g=_identity, out_sharding=None):
     the contracted axis is sharded, and JAX asks the program how the sum is laid out); else None."""
     b, t, _ = x.shape
     hd = BLOCK_CFG.d_model // BLOCK_CFG.n_heads
-    h = f(layer_norm(x, p["ln1_g"], p["ln1_b"], _NUM))
+    h = f(layer_norm(x, p["ln1_g"], p["ln1_b"]))
 
     def heads(w):  # (B, T, d) -> (B, heads, T, hd); inside shard_map: this device's heads
         return _mm("btd,de->bte", h, w).reshape(b, t, -1, hd).transpose(0, 2, 1, 3)
@@ -196,7 +196,7 @@ def block_apply(p, x, f=_identity, g=_identity, out_sharding=None):
     att = jax.nn.softmax(att, axis=-1)
     y = jnp.einsum("bhts,bhsd->bhtd", att, v).transpose(0, 2, 1, 3).reshape(b, t, -1)
     x = x + g(_mm("btd,de->bte", y, p["w_proj"], out_sharding))
-    h = f(layer_norm(x, p["ln2_g"], p["ln2_b"], _NUM))
+    h = f(layer_norm(x, p["ln2_g"], p["ln2_b"]))
     return x + g(_mm("btf,fd->btd", jax.nn.gelu(_mm("btd,df->btf", h, p["w_fc"])), p["w_fc2"], out_sharding))
 
 

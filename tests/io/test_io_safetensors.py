@@ -90,11 +90,11 @@ def test_alignment_by_item_size(tmp_path):
 
 
 def test_compare_reads_through_the_shared_reader(tmp_path):
-    from qformats import _compare
+    from qformats._cli import _engine
 
     x = np.linspace(-1, 1, 8, dtype=np.float32).astype(ml_dtypes.bfloat16)
     sf.write(tmp_path / "w.safetensors", {"w": x})
-    tensors, problems = _compare.load_tensors([tmp_path / "w.safetensors"])
+    tensors, problems = _engine.load_tensors([tmp_path / "w.safetensors"])
     assert problems == []
     assert tensors[0].name == "w" and tensors[0].array.dtype == x.dtype
 

@@ -1,4 +1,4 @@
-"""Regressions of rules that let values leave their range (found training scalify/train's transformer).
+"""Regressions of rules that let values leave their range (found training the transformer of examples/train).
 
 Each test compares ``scalify(f)(scaled)`` with ``f`` on the dequantized float32 inputs, eagerly and
 under ``jax.jit``.
@@ -278,3 +278,31 @@ def test_integer_carriers_sum_and_contract_without_allowance():
         np.testing.assert_array_equal(_deq(wrap(jsa.scalify(jnp.sum))(sv)), 2.0 * v.sum(), err_msg=name)
         np.testing.assert_array_equal(_deq(wrap(jsa.scalify(jnp.cumsum))(sv)), 2.0 * np.cumsum(v), err_msg=name)
         np.testing.assert_array_equal(_deq(wrap(jsa.scalify(jnp.matmul))(a, b)), np.full((2, 2), 64.0), err_msg=name)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: inside one scalify trace the per-tensor scales of fp8_e5m2 / fp16 weights (2^-16 each for "
+    "these values) multiply along a chain of matmuls instead of being settled per matmul: 8 of them reach "
+    "2^-128, the output scale flushes to 0 and the data is inf/NaN (fp8_e4m3 and MXFP8 weights stay in range; "
+    "each matmul under its own scalify call is settled)",
+)
+def test_gradient_through_a_chain_of_fp8_e5m2_matmuls_keeps_its_data_near_one():
+    # Found training the transformer of examples/train in fp8_e5m2. Moved here from tests/train: the
+    # demo's models used to rescale every matmul-output gradient by hand (dynamic_rescale_l2_grad),
+    # which hid the drift; now the models are plain and the chain, with no rescaling in it, must keep
+    # the data O(1) and the value exact to float32 rounding.
+    def chain(x, ws):
+        for w in ws:
+            x = x @ w
+        return jnp.sum(x)
+
+    ws = [jax.random.normal(jax.random.key(i), (32, 32)) / 6 for i in range(12)]
+    x = jax.random.normal(jax.random.key(99), (8, 32))
+    sws = jax.jit(lambda ws: [jsa.as_scaled_array(w, fmt=qf.FP8_E5M2) for w in ws])(ws)
+    ref = jax.jit(jax.grad(chain))(x, [_deq(w) for w in sws])  # the same fp8 values, plain float32
+    for name, wrap in MODES.items():
+        g = wrap(jsa.scalify(jax.grad(chain)))(jsa.as_scaled_array(x), sws)
+        data = np.abs(np.asarray(g.data))
+        assert 1e-2 < data.max() < 1e2, name
+        np.testing.assert_allclose(_deq(g), np.asarray(ref), rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=name)

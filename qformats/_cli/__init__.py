@@ -4,6 +4,10 @@ Exit status: 0 when everything asked for was analysed; 2 when there was an input
 unreadable or integer-only file, unknown tensor or format name, a format that does not fit a
 tensor's shape, NaN/Inf in a tensor, a missing optional package): every problem is printed to
 stderr with its fix, and everything else is still analysed and printed.
+
+The analysis itself is :mod:`qformats._cli._engine` (re-exported as ``qformats.compare``); this
+module imports it, and with it jax, only inside the commands, so that parsing (``--help``, argument
+errors) needs the standard library only.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 import sys
 
 EXIT_INPUT = 2
-# _compare's DEFAULT_MAX_FLUSHED / DEFAULT_MAX_SATURATED in percent (without importing jax for `--help`)
+# _engine's DEFAULT_MAX_FLUSHED / DEFAULT_MAX_SATURATED in percent (without importing jax for `--help`)
 DEFAULT_MAX_FLUSHED_PCT = 5.0
 DEFAULT_MAX_SATURATED_PCT = 1.0
 
@@ -41,7 +45,7 @@ def _cmd_list(args) -> int:
 
     rows = [qf.get_format(n).describe() for n in qf.list_formats()]
     if args.json:
-        from qformats._compare import _json_number
+        from qformats._cli._engine import _json_number
 
         print(json.dumps(_json_number(rows), indent=2, allow_nan=False))
         return 0
@@ -150,13 +154,13 @@ def _cmd_compare(args) -> int:
         except Exception as e:
             problems.append(f"--import {mod}: could not import it ({e}). Is it on PYTHONPATH?")
 
-    from qformats import _compare
+    from qformats._cli import _engine  # jax and the formats load only now, after parsing
 
     if args.paths:
-        tensors, load_problems = _compare.load_tensors(args.paths, args.tensor or None)
+        tensors, load_problems = _engine.load_tensors(args.paths, args.tensor or None)
         problems += load_problems
     else:
-        tensors = _compare.default_tensors()
+        tensors = _engine.default_tensors()
         if args.tensor:
             names = {t.name for t in tensors}
             for n in args.tensor:
@@ -166,7 +170,7 @@ def _cmd_compare(args) -> int:
     formats = None
     if args.formats:
         formats = [n for arg in args.formats for n in arg.split(",") if n.strip()]
-    result = _compare.compare(
+    result = _engine.compare(
         tensors,
         formats,
         axis=args.axis,

@@ -29,7 +29,7 @@ VAL_FRACTION = 0.1
 
 
 class MissingExtraError(ImportError):
-    """An optional dependency of ``scalify.train`` is not installed."""
+    """An optional dependency of ``examples.train`` is not installed."""
 
 
 def require_sklearn():

@@ -1,35 +1,30 @@
 """Training modes and the training loop.
 
-Mechanisms (:func:`describe_mode`):
+The models (:mod:`examples.train.models`) are plain JAX; each mode sets the numerics from outside,
+through the public API only (:func:`describe_mode`):
 
 * ``fp32`` / ``bf16`` / ``fp16``: plain ``jax.jit`` step. Parameters, activations, gradients and the
   optimizer state are stored and computed in that dtype; no scaling of any kind, no float32 master
   weights. The loss (log-softmax and cross-entropy) is computed in float32 in every mode.
-* ``fp16-scalify``: parameters are float16 :class:`scalify.ScaledArray` s (data float16, float32
-  scale) and the whole step (forward, backward, optax update) runs under ``jax.jit(scalify.scalify(step))``.
-  The gradient of every matmul output is rescaled dynamically (``scalify.ops.dynamic_rescale_l2_grad``)
-  and the parameter gradients are rescaled (``dynamic_rescale_l2``) before the optimizer, as in
-  jax-scalify's examples. The optimizer state (SGD: none; Adam: both moments) is float16 ScaledArrays;
-  Adam's arithmetic (moment recurrences, bias correction, ``mu / (sqrt(nu) + eps)``) runs on a float32
-  carrier and its second moment is stored as ``sqrt(nu)`` (:func:`adam_fp32_update`: ``nu = g**2``
-  spans more than float16's range within one tensor), and the transformer's LayerNorm runs on a
-  float32 carrier (``Numerics.norm_dtype``).
+* ``fp16-scalify``: the parameters are float16 :class:`scalify.ScaledArray` s
+  (``scalify.as_scaled_array``: data float16, float32 scale) and the whole step (forward, backward,
+  optax update) runs under ``jax.jit(scalify.scalify(step))``; scalify's rules renormalise the
+  contractions' outputs, nothing in the model rescales by hand. The optimizer state (SGD: none;
+  Adam: both moments) is float16 ScaledArrays; Adam's arithmetic (moment recurrences, bias
+  correction, ``mu / (sqrt(nu) + eps)``) runs on a float32 carrier and its second moment is stored as
+  ``sqrt(nu)`` (:func:`adam_fp32_update`: ``nu = g**2`` spans more than float16's range within one
+  tensor). The initial optimizer state is built in the layout the step returns
+  (``scalify.tree.settle_state``), so the step compiles once.
 * any registered qformats format ``F`` (except ``fp16`` and ``bf16``, whose names the plain modes
-  take): parameters are float32 carrier ScaledArrays and the whole step runs under
-  ``jax.jit(scalify.scalify(step))``. Both operands of every matmul are quantized into ``F`` with
-  ``scalify.ops.quantize`` (block formats block along the contracted axis, per-channel formats put
-  their channels on a free axis), so the forward matmuls see ``F`` values; the gradient of
-  ``ops.quantize`` is straight-through, so backward matmuls run on float32 values, except for
-  ``fp8_e4m3``, where the gradient of every matmul output is also quantized to per-tensor
-  ``fp8_e5m2`` (E4M3 forward, E5M2 backward). Weights and optimizer state stay float32 (master weights).
-  Matmul-output and parameter gradients are rescaled dynamically as under ``fp16-scalify`` (powers of
-  two: exact on a float32 carrier). Without it, per-tensor formats drift: scalify's per-tensor
-  ``dot_general`` rule multiplies the scales and never renormalises the data, so through the backward
-  pass a gradient's data shrinks to ~1e-25 while its scale grows to ~1e20, and Adam's ``g * g`` then
-  underflows the data and overflows the scale in float32 (``fp8_e5m2``: NaN from the second step).
-
-Under scalify the initial optimizer state is built directly in the structure the step returns (zero
-ScaledArrays, parameters on the returned scale grids; :func:`_settle`), so the step compiles once.
+  take): the unchanged float32 model's loss under ``scalify.amp.amp`` with ``F`` as the policy of
+  every ``dot_general``: both operands of every matmul are quantized into ``F`` (block formats block
+  along the contracted axis, per-channel formats put their channels on a free axis) with a
+  straight-through gradient, so backward matmuls run on float32 gradients. ``fp8_e4m3`` instead runs
+  under ``scalify.recipes.apply`` with a recipe that also quantizes the gradient of every matmul
+  output into per-tensor ``fp8_e5m2`` (E4M3 forward, E5M2 backward). Weights and optimizer state
+  stay float32 (master weights).
+* ``recipe:NAME`` (``--recipe NAME``): the unchanged float32 loss under
+  ``scalify.recipes.apply(loss, NAME)``.
 """
 
 from __future__ import annotations
@@ -50,8 +45,8 @@ import optax
 
 import qformats as qf
 import scalify
-from scalify import ops, recipes
-from scalify.train import _data, _models
+from examples.train import data, models
+from scalify import amp, ops, recipes
 
 PLAIN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 SCALIFY_FP16 = "fp16-scalify"
@@ -70,11 +65,13 @@ def list_modes() -> list[str]:
 
 @attrs.frozen
 class Mode:
+    """A ``--format`` value: the dtype the model computes in and the numerics set from outside it."""
+
     name: str
-    numerics: _models.Numerics
-    use_scalify: bool
+    dtype: object
     mechanism: str
-    recipe: object = None  # a scalify.recipes.Recipe applied to the unchanged float32 loss
+    use_scalify: bool = False  # float16 ScaledArray parameters, whole step under scalify
+    quantize: object = None  # a qformats format (amp policy of every matmul) or a scalify.recipes.Recipe
 
 
 RECIPE_PREFIX = "recipe:"
@@ -93,35 +90,47 @@ def get_mode(name: str) -> Mode:
             f"recipes.apply(loss, {recipe.name}) on the unchanged float32 model: every matmul's forward, "
             f"input-gradient and weight-gradient GEMMs quantized as the recipe says"
         )
-        return Mode(name, _models.Numerics(dtype=jnp.float32), False, mech, recipe)
+        return Mode(name, jnp.float32, mech, quantize=recipe)
     if name in PLAIN_DTYPES:
         dt = PLAIN_DTYPES[name]
-        return Mode(name, _models.Numerics(dtype=dt), False, f"plain jit, everything in {jnp.dtype(dt).name}")
+        return Mode(name, dt, f"plain jit, everything in {jnp.dtype(dt).name}")
     if name == SCALIFY_FP16:
-        return Mode(
-            name,
-            _models.Numerics(dtype=jnp.float16, rescale_grads=True, norm_dtype=jnp.float32),
-            True,
-            "scalify: float16 ScaledArray params/activations/grads/optimizer state, dynamic grad rescaling "
-            "(LayerNorm and the Adam update on a float32 carrier, Adam's second moment stored as sqrt(nu))",
+        mech = (
+            "scalify: float16 ScaledArray params/activations/grads/optimizer state, scales set by scalify's rules "
+            "(the Adam update on a float32 carrier, Adam's second moment stored as sqrt(nu))"
         )
+        return Mode(name, jnp.float16, mech, use_scalify=True)
     try:
         fmt = qf.get_format(name)
     except Exception as e:
         raise ValueError(f"Unknown --format {name!r}; choose one of: {', '.join(list_modes())}") from e
     grad = GRAD_FORMATS.get(fmt.name)
-    grad_fmt = qf.get_format(grad) if grad else None
-    mech = f"scalify + ops.quantize of matmul operands to {fmt.name} (straight-through backward"
-    mech += f", output grads in {grad})" if grad else ")"
-    mech += ", dynamic grad rescaling"
-    return Mode(name, _models.Numerics(dtype=jnp.float32, fmt=fmt, grad_fmt=grad_fmt, rescale_grads=True), True, mech)
+    if grad is None:
+        mech = f"amp: both operands of every matmul fake-quantized to {fmt.name} (straight-through backward)"
+        return Mode(name, jnp.float32, mech, quantize=fmt)
+    # The gradient dy of every matmul output in the grad format, in both backward GEMMs; the
+    # forward operands in fmt, as the forward quantized them.
+    recipe = recipes.Recipe.uniform(name, fmt).replace(dgrad_lhs=grad, wgrad_lhs=grad)
+    mech = f"recipes.apply: matmul operands in {fmt.name}, the gradient of every matmul output in {grad}"
+    return Mode(name, jnp.float32, mech, quantize=recipe)
 
 
 def describe_mode(name: str) -> str:
+    """How mode ``name`` trains, in one line."""
     return get_mode(name).mechanism
 
 
+def with_numerics(mode: Mode, fn: Callable) -> Callable:
+    """``fn`` (a loss or a model, unchanged) with the mode's quantization applied from outside."""
+    if isinstance(mode.quantize, recipes.Recipe):
+        return recipes.apply(fn, mode.quantize)
+    if mode.quantize is not None:
+        return amp.amp(fn, compute_dtype=jnp.float32, amp_policy={p: mode.quantize for p in amp.MATMUL_PRIMITIVES})
+    return fn
+
+
 def _cross_entropy(logits, labels, n_classes):
+    """Mean cross-entropy, computed in float32 in every mode."""
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     onehot = jax.nn.one_hot(labels, n_classes, dtype=jnp.float32)
@@ -129,10 +138,12 @@ def _cross_entropy(logits, labels, n_classes):
 
 
 def _plain(x):
+    """The value of a ScaledArray (a loss under scalify), or ``x``."""
     return x.to_array() if isinstance(x, scalify.ScaledArray) else x
 
 
 def _make_optimizer(kind, lr, fp32_update=False):
+    """optax SGD or Adam; ``fp32_update``: :func:`adam_fp32_update` (float16 ScaledArray moments)."""
     if kind == "sgd":
         return optax.sgd(lr)
     if fp32_update:
@@ -205,10 +216,14 @@ class TrainResult:
     time_s: float
     step_s: float = float("nan")  # mean seconds per step after the first (which compiles)
     history: list[float] = attrs.field(factory=list, repr=False)
+    # traces of the step during the training loop: 1 when it compiled once (the first step), more
+    # when a step returned its state in another layout than it was given
+    step_traces: int = attrs.field(default=0, repr=False)
 
     def metrics(self) -> dict:
         d = attrs.asdict(self)
         d.pop("history")
+        d.pop("step_traces")
         if d["val_accuracy"] is None:
             d.pop("val_accuracy")
         return d
@@ -237,48 +252,70 @@ def _thaw(obj):
     return obj
 
 
+class StepFunctions(NamedTuple):
+    """The jitted step and evaluation of a model and mode, the optimizer, and a trace counter."""
+
+    step: Callable  # (params, opt_state, x, y) -> (params, opt_state, loss)
+    evaluate: Callable  # (params, x, y) -> (loss, number correct)
+    optimizer: optax.GradientTransformation
+    traces: list  # traces[0]: how many times the step has been traced (one per compilation)
+
+
+def step_functions(model: str, fmt: str, hparams: dict) -> StepFunctions:
+    """The :class:`StepFunctions` of ``model`` in mode ``fmt`` (cached: shared across seeds)."""
+    return _step_functions(model, fmt, _freeze(hparams))
+
+
 @functools.lru_cache(maxsize=64)
-def _compiled(model, fmt, hp_frozen):
-    """Jitted (step, eval, optimizer) for a model, mode and hyperparameters (shared across seeds)."""
+def _step_functions(model, fmt, hp_frozen):
     hp = _thaw(hp_frozen)
     mode = get_mode(fmt)
-    num = mode.numerics
     if model == "mlp":
         n_classes = 10
-        apply = _models.mlp_apply
+        apply = models.mlp_apply
     else:
-        cfg = _models.GPTConfig(**hp.get("gpt", {}))
+        cfg = models.GPTConfig(**hp.get("gpt", {}))
         n_classes = cfg.vocab
 
-        def apply(p, x, n):
-            return _models.gpt_apply(p, x, n, cfg)
+        def apply(p, x):
+            return models.gpt_apply(p, x, cfg)
 
+    apply = with_numerics(mode, apply)
     opt = _make_optimizer(hp["optimizer"], hp["lr"], fp32_update=fmt == SCALIFY_FP16)
-
-    if mode.recipe is not None:
-        apply = recipes.apply(apply, mode.recipe)
+    traces = [0]
 
     def loss_fn(p, x, y):
-        return _cross_entropy(apply(p, x, num), y, n_classes)
+        return _cross_entropy(apply(p, x), y, n_classes)
 
     def step(p, s, x, y):
+        traces[0] += 1  # Python runs only while jax traces the step
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-        if num.rescale_grads:
-            # Unit-norm data for every parameter gradient before the optimizer squares it.
-            g = jax.tree.map(ops.dynamic_rescale_l2, g)
         upd, s = opt.update(g, s, p)
         p = optax.apply_updates(p, upd)
         return p, s, loss
 
     def evaluate(p, x, y):
-        logits = apply(p, x, num).astype(jnp.float32)
+        logits = apply(p, x).astype(jnp.float32)
         loss = _cross_entropy(logits, y, n_classes)
         correct = jnp.sum(jnp.argmax(logits, axis=-1) == y)
         return loss, correct
 
     if mode.use_scalify:
-        return jax.jit(scalify.scalify(step)), jax.jit(scalify.scalify(evaluate)), opt
-    return jax.jit(step), jax.jit(evaluate), opt
+        step, evaluate = scalify.scalify(step), scalify.scalify(evaluate)
+    return StepFunctions(jax.jit(step), jax.jit(evaluate), opt, traces)
+
+
+def _setup(model, hp, key, init_scale):
+    """Float32 initial parameters, the training batches and the validation batches."""
+    if model == "mlp":
+        x_tr, y_tr, x_va, y_va = data.load_digits()
+        params = models.mlp_init(key, init_scale, hp.get("mlp_sizes", models.MLP_SIZES), hp.get("init_std"))
+        return params, data.digits_batches(x_tr, y_tr, hp["batch_size"], hp["seed"]), [(x_va, y_va)]
+    cfg = models.GPTConfig(**hp.get("gpt", {}))
+    tr_ids, va_ids = data.load_text()
+    params = models.gpt_init(key, cfg, init_scale)
+    batches = data.text_batches(tr_ids, hp["batch_size"], cfg.context, hp["seed"])
+    return params, batches, data.text_eval_windows(va_ids, hp["batch_size"], cfg.context, hp["eval_batches"])
 
 
 def train(
@@ -299,45 +336,34 @@ def train(
     if model not in MODELS:
         raise ValueError(f"Unknown model {model!r}; choose one of {MODELS}")
     mode = get_mode(fmt)
-    num = mode.numerics
-    key = jax.random.key(seed)
-    if model == "mlp":
-        hp = {**MLP_HPARAMS, **(hparams or {})}
-        x_tr, y_tr, x_va, y_va = _data.load_digits()
-        params = _models.mlp_init(key, init_scale, hp.get("mlp_sizes", _models.MLP_SIZES), hp.get("init_std"))
-        batches = _data.digits_batches(x_tr, y_tr, hp["batch_size"], seed)
-        val_batches = [(x_va, y_va)]
-    else:
-        hp = {**GPT_HPARAMS, **(hparams or {})}
-        cfg = _models.GPTConfig(**hp.get("gpt", {}))
-        tr_ids, va_ids = _data.load_text()
-        params = _models.gpt_init(key, cfg, init_scale)
-        batches = _data.text_batches(tr_ids, hp["batch_size"], cfg.context, seed)
-        val_batches = _data.text_eval_windows(va_ids, hp["batch_size"], cfg.context, hp["eval_batches"])
-
-    step_fn, eval_fn, opt = _compiled(model, fmt, _freeze(hp))
-    dtype = num.dtype
+    hp = {**(MLP_HPARAMS if model == "mlp" else GPT_HPARAMS), **(hparams or {})}
+    params, batches, val_batches = _setup(model, {**hp, "seed": seed}, jax.random.key(seed), init_scale)
+    fns = step_functions(model, fmt, hp)
 
     def to_input(x):
-        return jnp.asarray(x, dtype) if np.issubdtype(np.asarray(x).dtype, np.floating) else jnp.asarray(x)
+        return jnp.asarray(x, mode.dtype) if np.issubdtype(np.asarray(x).dtype, np.floating) else jnp.asarray(x)
 
-    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    params = jax.tree.map(lambda a: a.astype(mode.dtype), params)
     if mode.use_scalify:
         params = scalify.as_scaled_array(params)
-        opt_state = scalify.scalify(opt.init)(params)
+        opt_state = scalify.scalify(fns.optimizer.init)(params)
         first = next(batches)
-        params, opt_state = _settle(step_fn, params, opt_state, to_input(first[0]), jnp.asarray(first[1]))
+        # the initial state in the layout the step returns, so that the step compiles once
+        params, opt_state = scalify.tree.settle_state(
+            fns.step, (params, opt_state), to_input(first[0]), jnp.asarray(first[1])
+        )
         batches = itertools.chain([first], batches)
     else:
-        opt_state = opt.init(params)
+        opt_state = fns.optimizer.init(params)
 
     bar = _progress(progress, steps, f"{model}/{fmt}")
     history = []
+    traces0 = fns.traces[0]
     t0 = time.perf_counter()
     t1 = t0
     for i in range(steps):
         x, y = next(batches)
-        params, opt_state, loss = step_fn(params, opt_state, to_input(x), jnp.asarray(y))
+        params, opt_state, loss = fns.step(params, opt_state, to_input(x), jnp.asarray(y))
         history.append(_plain(loss))
         if i == 0:  # the first step includes the compilation
             jax.block_until_ready(history[0])
@@ -346,14 +372,9 @@ def train(
             bar(i + 1, float(_plain(loss)))
     history = [_finite_or_nan(v) for v in jax.device_get(history)]
     step_s = (time.perf_counter() - t1) / (steps - 1) if steps > 1 else float("nan")
+    traces = fns.traces[0] - traces0
 
-    tot_loss, tot_correct, tot_n = 0.0, 0, 0
-    for x, y in val_batches:
-        loss, correct = eval_fn(params, to_input(x), jnp.asarray(y))
-        n = int(np.size(y))
-        tot_loss += float(_plain(loss)) * n
-        tot_correct += int(_plain(correct))
-        tot_n += n
+    val_loss, val_acc = _evaluate(fns.evaluate, params, val_batches, to_input)
     elapsed = time.perf_counter() - t0
     if bar is not None:
         bar(None, None)
@@ -366,75 +387,25 @@ def train(
         seed=seed,
         init_scale=init_scale,
         train_loss=float(np.mean(tail)),
-        val_loss=_finite_or_nan(tot_loss / tot_n),
-        val_accuracy=(tot_correct / tot_n) if model == "mlp" else None,
+        val_loss=val_loss,
+        val_accuracy=val_acc if model == "mlp" else None,
         time_s=round(elapsed, 3),
         step_s=round(step_s, 4),
         history=history,
+        step_traces=traces,
     )
 
 
-_ZERO_STATE_SCALE = 2.0**-100
-
-
-def _is_scaled(x) -> bool:
-    return isinstance(x, scalify.ScaledArray)
-
-
-def _same_layout(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        (u.shape, u.dtype) == (v.shape, v.dtype) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
-def _settle(step_fn, params, opt_state, x, y, max_rounds=3):
-    """``(params, opt_state)`` with the same values, in the pytree layout the step returns.
-
-    Under scalify the step can return other scale grids than it was given (a moment takes the block
-    grid of its gradient's scale, an updated parameter the grid of its update), and every new layout
-    makes ``jax.jit`` compile the step again (tens of seconds each). The layout is found with
-    ``jax.eval_shape`` (no compilation) until it is a fixed point:
-
-    * a parameter is re-expressed on the returned grid with scale 1 (``data = value``, as
-      ``scalify.as_scaled_array`` makes it);
-    * an optimizer state that is entirely zero (every optimizer here at step 0) is rebuilt as zero
-      ScaledArrays of the returned layout, with a tiny scale (2^-100), so that adding the first
-      gradient keeps the gradient's scale (scale 1 would push a small float16 gradient's data towards
-      underflow). A non-zero state is left as it is.
-
-    Formatted (``fmt``) leaves are left as they are.
-    """
-    for _ in range(max_rounds):
-        out_p, out_s = jax.eval_shape(step_fn, params, opt_state, x, y)[:2]
-        same_p, same_s = _same_layout(out_p, params), _same_layout(out_s, opt_state)
-        if same_p and same_s:
-            break
-        formatted = any(
-            _is_scaled(v) and v.fmt is not None for v in jax.tree.leaves((out_p, out_s), is_leaf=_is_scaled)
-        )
-        if formatted or not (same_p or jax.tree.structure(out_p) == jax.tree.structure(params)):
-            break
-        if not same_p:
-            params = jax.tree.map(_on_grid, params, out_p, is_leaf=_is_scaled)
-        if not same_s:
-            zero = all(not np.any(np.asarray(_plain(v))) for v in jax.tree.leaves(opt_state, is_leaf=_is_scaled))
-            if not zero:
-                break
-            opt_state = jax.tree.map(_zeros_like_layout, out_s, is_leaf=_is_scaled)
-    return params, opt_state
-
-
-def _on_grid(p, sds):
-    if not _is_scaled(p) or tuple(p.scale.shape) == tuple(sds.scale.shape):
-        return p
-    return scalify.ScaledArray(p.to_array(sds.data.dtype), jnp.ones(sds.scale.shape, sds.scale.dtype))
-
-
-def _zeros_like_layout(sds):
-    if _is_scaled(sds):
-        scale = jnp.full(sds.scale.shape, _ZERO_STATE_SCALE, sds.scale.dtype)
-        return scalify.ScaledArray(jnp.zeros(sds.data.shape, sds.data.dtype), scale)
-    return jnp.zeros(sds.shape, sds.dtype)
+def _evaluate(eval_fn, params, val_batches, to_input):
+    """(mean validation loss, accuracy) over the validation batches."""
+    tot_loss, tot_correct, tot_n = 0.0, 0, 0
+    for x, y in val_batches:
+        loss, correct = eval_fn(params, to_input(x), jnp.asarray(y))
+        n = int(np.size(y))
+        tot_loss += float(_plain(loss)) * n
+        tot_correct += int(_plain(correct))
+        tot_n += n
+    return _finite_or_nan(tot_loss / tot_n), tot_correct / tot_n
 
 
 def _progress(progress, total, desc):

@@ -1,4 +1,4 @@
-"""Command line: ``python -m scalify.train --model mlp|transformer --format NAME ...``."""
+"""Command line: ``python -m examples.train --model mlp|transformer --format NAME ...``."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ import json
 import math
 import sys
 
+from examples.train import loop
 from scalify import recipes
-from scalify.train import _loop
 
 
 def _parser():
     ap = argparse.ArgumentParser(
-        prog="python -m scalify.train",
+        prog="python -m examples.train",
         description="Train a small model (digits MLP or char-level transformer) in a number format.",
     )
-    ap.add_argument("--model", choices=_loop.MODELS, default="mlp")
+    ap.add_argument("--model", choices=loop.MODELS, default="mlp")
     ap.add_argument(
         "--format",
         default="fp32",
         help="fp32, bf16, fp16 (plain), fp16-scalify, or a registered qformats format: "
-        + ", ".join(_loop.list_modes()[4:]),
+        + ", ".join(loop.list_modes()[4:]),
     )
     ap.add_argument(
         "--recipe",
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("error: --plot needs matplotlib (`pip install matplotlib`).", file=sys.stderr)
             return 2
-    formats = _loop.list_modes() if args.sweep else [args.format]
+    formats = loop.list_modes() if args.sweep else [args.format]
     if args.recipe is not None:
         if args.sweep:
             raise SystemExit("--recipe trains one recipe; leave out --sweep (or loop over recipes yourself).")
@@ -94,15 +94,15 @@ def main(argv=None) -> int:
             recipes.get_recipe(args.recipe)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-        formats = [_loop.recipe_mode(args.recipe)]
+        formats = [loop.recipe_mode(args.recipe)]
     results, failures = [], []
     try:
         for f in formats:
-            _loop.get_mode(f)  # validate names first
+            loop.get_mode(f)  # validate names first
         for f in formats:
             try:
                 results.append(
-                    _loop.train(args.model, f, steps, args.seed, args.init_scale, progress=not args.no_progress)
+                    loop.train(args.model, f, steps, args.seed, args.init_scale, progress=not args.no_progress)
                 )
             except ValueError as e:  # e.g. a format whose block size does not fit the model
                 if not args.sweep:

@@ -1,0 +1,3 @@
+from examples.train.cli import main
+
+raise SystemExit(main())

@@ -1,3 +1,0 @@
-from scalify.train._cli import main
-
-raise SystemExit(main())
