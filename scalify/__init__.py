@@ -21,8 +21,9 @@ from scalify import (
     recipes,
     tree,
 )
-from scalify._config import Pow2RoundMode, ScalifyConfig, get_config, pow2_round
+from scalify._config import Pow2RoundMode, ScalifyConfig, get_config
 from scalify._interpreter import scalify
+from scalify._pow2 import pow2_round
 from scalify._registry import GROUPS, RULES, Group, Rule, ScalifyUnsupportedError, register_rule
 from scalify._scaled_array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from scalify._sharding import device_put, scaled_sharding

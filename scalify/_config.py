@@ -11,10 +11,7 @@ import enum
 import threading
 
 import attrs
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 # The contraction strategies (scalify/_contraction.py).
 CONTRACTIONS = ("auto", "dequantize", "native", "scaled_dot")
@@ -105,59 +102,3 @@ _STACK = _Stack()
 def get_config() -> ScalifyConfig:
     """The active :class:`ScalifyConfig`."""
     return _STACK.stack[-1]
-
-
-_EXP_MASK = np.int32(0x7F800000)
-_MANT_MASK = np.int32(0x007FFFFF)
-
-
-def pow2_round_down(x):
-    """Largest power of two <= ``x`` (positive normal float32), with integer ops on the bits."""
-    x = jnp.asarray(x, jnp.float32)
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return lax.bitcast_convert_type(bits & _EXP_MASK, jnp.float32)
-
-
-def pow2_round_up(x):
-    """Smallest power of two >= ``x`` (positive normal float32)."""
-    x = jnp.asarray(x, jnp.float32)
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    exact = (bits & _MANT_MASK) == 0
-    up = (bits & _EXP_MASK) + np.int32(1 << 23)
-    return lax.bitcast_convert_type(lax.select(exact, bits, up), jnp.float32)
-
-
-def pow2_round(x, mode: Pow2RoundMode | None = None):
-    """Round a positive scale ``x`` to a power of two following ``mode`` (default: the config's)."""
-    if mode is None:
-        mode = get_config().rounding_mode
-    if mode == Pow2RoundMode.NONE:
-        return jnp.asarray(x, jnp.float32)
-    if mode == Pow2RoundMode.DOWN:
-        return pow2_round_down(x)
-    if mode == Pow2RoundMode.UP:
-        return pow2_round_up(x)
-    if mode == Pow2RoundMode.STOCHASTIC:
-        x = jnp.asarray(x, jnp.float32)
-        cfg = get_config()
-        _STACK.counter += 1
-        key = jax.random.fold_in(jax.random.key(cfg.stochastic_seed), _STACK.counter)
-        down = pow2_round_down(x)
-        p = x / down - 1.0  # in [0, 1): linear position between down and 2 * down
-        u = jax.random.uniform(key, jnp.shape(x), jnp.float32)
-        return jnp.where(u < p, down * 2.0, down)
-    raise ValueError(f"Unknown Pow2RoundMode {mode!r}")
-
-
-def pow2_round_np(x: float, mode: Pow2RoundMode | None = None) -> float:
-    """Static (numpy) version of :func:`pow2_round` for Python scalars; STOCHASTIC rounds down."""
-    if mode is None:
-        mode = get_config().rounding_mode
-    x = float(x)
-    if mode == Pow2RoundMode.NONE or x == 0.0 or not np.isfinite(x):
-        return x
-    m, e = np.frexp(abs(x))  # abs(x) = m * 2**e, m in [0.5, 1)
-    down = float(np.ldexp(1.0, int(e) - 1))
-    if mode == Pow2RoundMode.UP and m != 0.5:
-        return down * 2.0
-    return down

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._config import get_config, pow2_round_down
+from scalify._config import get_config
 from scalify._jax_compat import bind_eqn_with
+from scalify._pow2 import pow2_round_down
 from scalify._rules_common import F32, promote, settle, wide
 from scalify._scaled_array import ScaledArray, cast, expand_scale, normalize_scale
 

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._config import Pow2RoundMode, get_config, pow2_round, pow2_round_np, pow2_round_up
+import qformats as qf
+from scalify._config import Pow2RoundMode, get_config
 from scalify._jax_compat import bind_eqn, explicit_sharding, is_tracer
-from scalify._scaled_array import ScaledArray, cast, expand_scale
+from scalify._pow2 import pow2_ceil_np, pow2_round, pow2_round_np, pow2_round_up
+from scalify._scaled_array import ScaledArray, block_of, cast, expand_scale
 
 F32 = jnp.float32
 
@@ -341,15 +343,7 @@ def block_amax(v, grid_shape):
         return jnp.ones(grid_shape, F32)
     if not grid_shape or v.ndim == 0:
         return jnp.max(v)
-    return block_reduce(jnp.max, v, grid_shape)
-
-
-def block_reduce(reduce, v, grid_shape):
-    """``reduce`` over each block of a rank-matched grid: ``v`` split as (g0, b0, g1, b1, ...)."""
-    split = []
-    for n, g in zip(v.shape, grid_shape, strict=True):
-        split += [g, n // g]
-    return reduce(v.reshape(split), axis=tuple(range(1, len(split), 2)))
+    return qf.block_reduce(v, block_of(grid_shape, v.shape), jnp.max)
 
 
 def requant_blocks(v, grid_shape, dtype) -> ScaledArray:
@@ -515,10 +509,6 @@ def align(xs, combine=combine_max, *, dtype=None, finite=False):
             data = jnp.broadcast_to(data, out_shape)
         datas.append(rescale(data, ratio, dt))
     return datas, common
-
-
-def pow2_ceil_np(x: float) -> float:
-    return pow2_round_np(x, Pow2RoundMode.UP)
 
 
 def times(scale, r: float):

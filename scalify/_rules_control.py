@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import qformats as qf
 from scalify._config import get_config
 from scalify._interpreter import WALK, eval_closed, eval_jaxpr, scalify
 from scalify._jax_compat import (
@@ -41,7 +42,6 @@ from scalify._jax_compat import (
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
-    block_reduce,
     bound_of,
     dequant,
     fold,
@@ -50,7 +50,7 @@ from scalify._rules_common import (
     settle_carried,
     static_scalar,
 )
-from scalify._scaled_array import ScaledArray, expand_scale, is_scaled_leaf, to_carrier
+from scalify._scaled_array import ScaledArray, block_of, expand_scale, is_scaled_leaf, to_carrier
 from scalify._walk import rebuild
 
 _JIT_CACHE: dict = {}
@@ -192,7 +192,7 @@ def _leaf_cotangent(x, ct):
     shape = x.data.shape
     ct_d = (ct * expand_scale(x.scale, shape)).astype(x.data.dtype)
     prod, grid = ct * x.data.astype(F32), jnp.shape(x.scale)
-    ct_s = jnp.sum(prod) if len(grid) == 0 else block_reduce(jnp.sum, prod, grid)
+    ct_s = jnp.sum(prod) if len(grid) == 0 else qf.block_reduce(prod, block_of(grid, prod.shape), jnp.sum)
     return ScaledArray(ct_d, ct_s.astype(x.scale.dtype))
 
 

@@ -26,6 +26,7 @@ from jax import lax
 from scalify import _contraction
 from scalify._config import get_config
 from scalify._jax_compat import bind_eqn, bind_eqn_with, p
+from scalify._pow2 import is_pow2
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
@@ -114,7 +115,7 @@ def _div(eqn, a, b):
     out_dtype = eqn.outvars[0].aval.dtype
     v = static_scalar(b)
     if is_scaled(a) and v is not None and v != 0.0 and np.isfinite(v) and _same_shape(eqn, a):
-        return _times_static(a, 1.0 / v) if _is_pow2(v) else _over_static(a, v)
+        return _times_static(a, 1.0 / v) if is_pow2(v) else _over_static(a, v)
     if not jnp.issubdtype(out_dtype, jnp.floating) or v not in (None, 0.0):
         # A static divisor is split into 2^k * [1, 2): the data at most halves, nothing to renormalise.
         (data,) = bind_eqn(eqn, [pa.data, pb.data])
@@ -132,10 +133,6 @@ def _same_shape(eqn, x: ScaledArray) -> bool:
     """Whether ``x``'s data already has the output shape (no implicit broadcast of ``x``)."""
     aval = eqn.outvars[0].aval
     return tuple(x.data.shape) == tuple(aval.shape) and jnp.issubdtype(aval.dtype, jnp.floating)
-
-
-def _is_pow2(v: float) -> bool:
-    return np.frexp(abs(v))[0] == 0.5
 
 
 def _times_static(x: ScaledArray, v: float) -> ScaledArray:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._config import pow2_round
 from scalify._jax_compat import bind_eqn, p
+from scalify._pow2 import pow2_round
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,

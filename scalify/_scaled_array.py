@@ -21,6 +21,7 @@ from jax import lax
 
 import qformats as qf
 from scalify._jax_compat import is_tracer
+from scalify._pow2 import mul_pow2_bits, pow2_floor_np
 
 
 @jax.tree_util.register_pytree_node_class
@@ -187,7 +188,7 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
     grid = fmt.scale_values(x.scale).astype(jnp.float32).reshape(fmt.scale_shape(shape))
     # Elements go up to the element max (448 for e4m3, 127 for int8): move a static power of two
     # into the scale so the carrier data is O(1) and products cannot overflow a float16 carrier.
-    k = _pow2_floor(fmt.max_value)
+    k = pow2_floor_np(fmt.max_value)
     if k != 1.0:
         if k > 2.0**64:
             # bf16's max is ~2^128: 1/k = 2^-127 is a float32 subnormal that XLA on CPU flushes
@@ -195,7 +196,7 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
             # rule's next static factor: 2^128 = inf) back into one. Exponent arithmetic on the
             # bits is exact and leaves no constant to fold.
             e = int(np.log2(k))
-            elems, grid = _mul_pow2_bits(elems, -e), _mul_pow2_bits(grid, e)
+            elems, grid = mul_pow2_bits(elems, -e), mul_pow2_bits(grid, e)
         else:
             elems, grid = elems * np.float32(1.0 / k), grid * np.float32(k)
         if grid.ndim == 0:
@@ -204,32 +205,6 @@ def to_carrier(x: ScaledArray) -> ScaledArray:
             # flushing the other operands. Zero data can take any scale: keep 1.
             grid = lax.select(jnp.any(elems != 0), grid, np.float32(1.0))
     return ScaledArray(elems.astype(x.dtype), normalize_scale(grid, shape))
-
-
-def _mul_pow2_bits(x, e: int):
-    """``x * 2^e`` for float32 ``x`` and a static integer ``e``, on the exponent field.
-
-    Normal results are exact; results below the normal range are signed zeros (as XLA's flush of
-    subnormals gives), above it signed infinities; zeros, subnormal inputs (read as zero on CPU),
-    infinities and NaN keep their class.
-    """
-    bits = lax.bitcast_convert_type(cast(x, jnp.float32), jnp.int32)
-    field = lax.bitwise_and(lax.shift_right_logical(bits, np.int32(23)), np.int32(0xFF))
-    sign = lax.bitwise_and(bits, np.int32(-(2**31)))
-    new = field + np.int32(e)
-    shifted = bits + np.int32(e * 2**23)
-    inf = lax.bitwise_or(sign, np.int32(0x7F800000))
-    out = lax.select(new >= 255, inf, shifted)
-    out = lax.select(new <= 0, sign, out)
-    out = lax.select((field == 0) | (field == 255), lax.select(field == 0, sign, bits), out)
-    return lax.bitcast_convert_type(out, jnp.float32)
-
-
-def _pow2_floor(v: float) -> float:
-    v = float(v)
-    if not np.isfinite(v) or v <= 0:
-        return 1.0
-    return float(2.0 ** np.floor(np.log2(v)))
 
 
 def _is_numpy(x) -> bool:

@@ -23,8 +23,8 @@ import ml_dtypes
 import numpy as np
 
 import qformats as qf
-from scalify._config import pow2_round
 from scalify._jax_compat import define_elementwise_primitive, is_tracer
+from scalify._pow2 import pow2_round
 from scalify._registry import register_rule
 from scalify._rules_common import F32, safe_scale
 from scalify._scaled_array import (

@@ -157,9 +157,9 @@ def test_exponent_field_power_of_two_matches_ldexp(x, e):
     """The bf16 carrier's 2^-127 is applied on the exponent bits: exact where the result is a
     normal float32, a signed zero below (XLA's flush), a signed inf above; inputs that read as zero
     (zeros, subnormals) stay zero."""
-    from scalify._scaled_array import _mul_pow2_bits
+    from scalify._pow2 import mul_pow2_bits
 
-    got = np.float32(jax.jit(_mul_pow2_bits, static_argnums=1)(jnp.float32(x), e))
+    got = np.float32(jax.jit(mul_pow2_bits, static_argnums=1)(jnp.float32(x), e))
     x32 = np.float32(x)
     tiny = np.finfo(np.float32).tiny
     if abs(x32) < tiny:
