@@ -175,13 +175,6 @@ def _leaf_tangent(o, t):
     return ScaledArray(data, jnp.zeros_like(o.scale))
 
 
-def _value_cotangent(o, ct):
-    """Cotangent of output ``o``'s value from its leaves' cotangents (the scale is held fixed)."""
-    if not isinstance(o, ScaledArray):
-        return ct
-    return (ct.data.astype(F32) / expand_scale(o.scale, o.data.shape)).astype(o.dtype)
-
-
 def _leaf_cotangent(x, ct):
     """Cotangents of ``x``'s leaves for the value cotangent ``ct`` (None: a zero cotangent)."""
     if not _differentiable(x.data if isinstance(x, ScaledArray) else x):
