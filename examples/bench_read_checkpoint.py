@@ -130,6 +130,19 @@ def _reset_peak():
         pass
 
 
+def _touch(out) -> None:
+    """Touch every page of the tensors' data once, so that memory-mapped bytes are really read.
+
+    A function of its own: its loop variables would otherwise keep the last tensor of one repeat
+    alive through the next one (and count in its peak).
+    """
+    import qformats as qf
+
+    for v in out.values():
+        a = np.asarray(v.data if isinstance(v, qf.QuantizedTensor) else v)
+        a.reshape(-1)[:: 4096 // max(1, a.itemsize)].sum()
+
+
 def measure(kind: str, path: str, repeats: int) -> dict:
     """Run in a fresh process: best time of ``repeats`` and the peak-RSS growth of one read."""
     import qformats as qf
@@ -145,10 +158,8 @@ def measure(kind: str, path: str, repeats: int) -> dict:
             out = np.fromfile(file, np.uint8)
         else:
             out = qf.read_checkpoint(path, mmap=kind == "mmap")
-            if kind == "mmap":  # touch every page once so the bytes are really read
-                for v in out.values():
-                    for a in (v.data,) if isinstance(v, qf.QuantizedTensor) else (v,):
-                        np.asarray(a).reshape(-1)[:: 4096 // max(1, np.asarray(a).itemsize)].sum()
+            if kind == "mmap":
+                _touch(out)
         times.append(time.perf_counter() - t0)
         del out
     return {"time": min(times), "peak_growth": max(0, _status("VmHWM") - base), "file": os.path.getsize(file)}

@@ -324,13 +324,13 @@ def _read_blocks(f, t: TensorInfo, path):
     """A Q8_0 or Q4_0 tensor, its interleaved blocks (float16 ``d``, then the codes) split while read.
 
     The blocks are read a chunk at a time into one small buffer and copied out as strided views:
-    the codes as 8-byte words (32 or 16 code bytes per block; a 1-byte strided copy is several
-    times slower) and the scales as 2-byte words.
+    each block's codes as one opaque item of 32 or 16 bytes (NumPy copies those with one loop over
+    the blocks, 2 to 4x faster than as bytes or 8-byte words) and its scale as a 2-byte word.
     """
     block_bytes = _READ[t.kind][1]
-    code_words = (block_bytes - 2) // 8
+    item = np.dtype(f"V{block_bytes - 2}")
     n_blocks = t.nbytes // block_bytes
-    codes = _safetensors.empty_aligned((n_blocks, code_words), np.uint64)
+    codes = _safetensors.empty_aligned((n_blocks,), item)
     d = _safetensors.empty_aligned((n_blocks,), "<f2")
     step = max(1, _CHUNK_BYTES // block_bytes)
     buf = np.empty(min(step, n_blocks) * block_bytes, np.uint8)
@@ -338,7 +338,7 @@ def _read_blocks(f, t: TensorInfo, path):
         k = min(step, n_blocks - i)
         chunk = buf[: k * block_bytes]
         _readinto(f, chunk, t, path)
-        codes[i : i + k] = np.ndarray((k, code_words), np.uint64, chunk, 2, (block_bytes, 8))
+        codes[i : i + k] = np.ndarray((k,), item, chunk, 2, (block_bytes,))
         d.view(np.uint16)[i : i + k] = np.ndarray((k,), np.uint16, chunk, 0, (block_bytes,))
     rows = t.shape[:-1]
     scale = d.astype(np.float16, copy=False).reshape(*rows, t.shape[-1] // 32)

@@ -120,3 +120,19 @@ def test_load_peak_memory_is_result_plus_largest_tensor(tmp_path, kind, how):
         f"{how} of a {result / MIB:.1f} MiB {kind} file: peak grew by {growth / MIB:.1f} MiB, more than the "
         f"bound {bound / MIB:.1f} MiB (result + 1.3x the largest tensor + {ALLOWANCE / MIB:.0f} MiB)"
     )
+
+
+def test_read_arrays_are_aligned_for_jax_to_adopt(tmp_path):
+    """Tensors are read into 64-byte-aligned arrays, which jax.device_put on CPU adopts without a copy
+    (the reason scalify.io.load holds no second copy of a tensor)."""
+    import jax
+
+    from qformats import _safetensors
+
+    path = tmp_path / "a.safetensors"
+    _safetensors.write(path, {"a": np.arange(1000, dtype=np.float32), "b": np.arange(7, dtype=np.uint8)})
+    for name, arr in _safetensors.iter_tensors(path):
+        assert arr.ctypes.data % _safetensors.ALIGNMENT == 0, name
+        assert np.array_equal(arr, _safetensors.read_tensor(path, name))
+        if jax.default_backend() == "cpu":
+            assert jax.device_put(arr).unsafe_buffer_pointer() == arr.ctypes.data, name
