@@ -7,6 +7,10 @@ values) is written, then, each in a fresh process with the page cache warm (best
 * ``read_checkpoint(path)`` (every tensor copied into memory, still quantized);
 * ``read_checkpoint(path, mmap=True)`` (safetensors tensors as memory maps; GGUF copies anyway).
 
+Run it with the checkout first on the path (``PYTHONPATH=$PWD``) where another checkout of the
+project is installed in editable mode: a script's own folder, not the current one, starts
+``sys.path``, and the measuring subprocesses inherit the environment.
+
 Peak memory is the growth of the process's peak resident set (``VmHWM`` after a reset, Linux) over
 the reads, against the file size and the largest tensor; memory-mapped pages that were touched count
 as resident. Usage: ``python examples/bench_read_checkpoint.py [--mib 1024]``.
@@ -47,6 +51,7 @@ def make(layout: str, folder: str, mib: int) -> int:
         "ct_fp8_block128": n * k + 2 * (n // 128) * (k // 128),
         "ct_int4_g128_asym": n * k // 2 + 2 * n * k // 128 + 4 * (n // 8) * (k // 128),
         "gguf_q8_0": n * k + 2 * n * k // 32,
+        "gguf_q4_0": n * k // 2 + 2 * n * k // 32,
     }[layout]
     count = max(1, mib * 2**20 // per)
     e4m3 = np.linspace(0.01, 400, 256, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn)
@@ -87,12 +92,12 @@ def make(layout: str, folder: str, mib: int) -> int:
 
             tensors[name] = qf.QuantizedTensor(qf.get_format(layout), words, Int4Scale(scale, zp))
             largest = max(largest, n * k // 2)
-        else:  # gguf_q8_0
-            codes = _rand(rng, (n, k), np.int8)
+        else:  # gguf_q8_0, gguf_q4_0: int8 codes, or two 4-bit codes a byte
+            codes = _rand(rng, (n, k), np.int8) if layout == "gguf_q8_0" else _rand(rng, (n, k // 2))
             d = np.full((n, k // 32), 0.01, np.float16)
             tensors[f"blk.{i}.ffn_down.weight"] = qf.QuantizedTensor(qf.get_format(layout), codes, d)
-            largest = max(largest, n * k)
-    if layout == "gguf_q8_0":
+            largest = max(largest, codes.nbytes)
+    if layout.startswith("gguf"):
         qf.write_gguf(os.path.join(folder, "model.gguf"), tensors)
     elif layout == "modelopt_nvfp4":
         _safetensors.write(os.path.join(folder, "model.safetensors"), tensors)
@@ -125,6 +130,19 @@ def _reset_peak():
         pass
 
 
+def _touch(out) -> None:
+    """Touch every page of the tensors' data once, so that memory-mapped bytes are really read.
+
+    A function of its own: its loop variables would otherwise keep the last tensor of one repeat
+    alive through the next one (and count in its peak).
+    """
+    import qformats as qf
+
+    for v in out.values():
+        a = np.asarray(v.data if isinstance(v, qf.QuantizedTensor) else v)
+        a.reshape(-1)[:: 4096 // max(1, a.itemsize)].sum()
+
+
 def measure(kind: str, path: str, repeats: int) -> dict:
     """Run in a fresh process: best time of ``repeats`` and the peak-RSS growth of one read."""
     import qformats as qf
@@ -140,10 +158,8 @@ def measure(kind: str, path: str, repeats: int) -> dict:
             out = np.fromfile(file, np.uint8)
         else:
             out = qf.read_checkpoint(path, mmap=kind == "mmap")
-            if kind == "mmap":  # touch every page once so the bytes are really read
-                for v in out.values():
-                    for a in (v.data,) if isinstance(v, qf.QuantizedTensor) else (v,):
-                        np.asarray(a).reshape(-1)[:: 4096 // max(1, np.asarray(a).itemsize)].sum()
+            if kind == "mmap":
+                _touch(out)
         times.append(time.perf_counter() - t0)
         del out
     return {"time": min(times), "peak_growth": max(0, _status("VmHWM") - base), "file": os.path.getsize(file)}
@@ -154,7 +170,8 @@ def main(argv=None):
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--layouts", default="ct_nvfp4,modelopt_nvfp4,ct_mxfp4,gptoss_mxfp4,ct_fp8_block128,ct_int4_g128_asym,gguf_q8_0"
+        "--layouts",
+        default="ct_nvfp4,modelopt_nvfp4,ct_mxfp4,gptoss_mxfp4,ct_fp8_block128,ct_int4_g128_asym,gguf_q8_0,gguf_q4_0",
     )
     ap.add_argument("--measure", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -165,7 +182,7 @@ def main(argv=None):
     for layout in args.layouts.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             largest = make(layout, tmp, args.mib)
-            path = os.path.join(tmp, "model.gguf") if layout == "gguf_q8_0" else tmp
+            path = os.path.join(tmp, "model.gguf") if layout.startswith("gguf") else tmp
             res = {}
             for kind in ("fromfile", "copy", "mmap"):
                 cmd = [sys.executable, __file__, "--measure", kind, path, "--repeats", str(args.repeats)]
@@ -178,6 +195,7 @@ def main(argv=None):
                 f"read {res['copy']['time']:.3f} s (x{res['copy']['time'] / base:.2f})  "
                 f"mmap {res['mmap']['time']:.3f} s (x{res['mmap']['time'] / base:.2f})  "
                 f"peak +{res['copy']['peak_growth'] / size:.2f} file "
+                f"(= file + {(res['copy']['peak_growth'] - size) / largest:.2f} largest tensor) "
                 f"(fromfile +{res['fromfile']['peak_growth'] / size:.2f}, "
                 f"mmap +{res['mmap']['peak_growth'] / size:.2f}), "
                 f"largest tensor {largest / 2**20:.0f} MiB",

@@ -147,7 +147,9 @@ def _to_jax(x: np.ndarray):
     """A NumPy leaf as a jax.Array, unless that would change its bits (64-bit types without x64)."""
     if x.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
         return x
-    return jax.device_put(x)  # no second copy where the platform can alias the host buffer
+    # On CPU, XLA adopts a host buffer aligned to 64 bytes (as _safetensors reads them) instead of
+    # copying it: no second copy, and no freed NumPy buffers left behind in the C heap.
+    return jax.device_put(x)
 
 
 _MALFORMED = (KeyError, TypeError, AttributeError, IndexError, OverflowError)
@@ -188,23 +190,6 @@ def _node(d, where):
     if len(d) != 1:
         raise ScalifyIOError(f"{where}: malformed scalify tree description {d!r:.200} (one kind per node)")
     return next(iter(d.items()))
-
-
-def _decode_scale(d, ctx: _Ctx, prefix: str):
-    if d is None:
-        return None
-    kind, v = _node(d, ctx.where(prefix))
-    if kind == "node":  # a registered scale class (NamedTuple, attrs, dataclass)
-        cls = _serialization.scale_type_by_name(d["node"], where=ctx.where(prefix))
-        return cls(**{k: _decode_scale(c, ctx, _join(prefix, k)) for k, c in d["fields"].items()})
-    if kind == "array":
-        return ctx.take(v, prefix)
-    if kind == "dict":
-        return {k: _decode_scale(c, ctx, _join(prefix, k)) for k, c in v.items()}
-    if kind in ("list", "tuple"):
-        items = [_decode_scale(c, ctx, _join(prefix, i)) for i, c in enumerate(v)]
-        return items if kind == "list" else tuple(items)
-    raise ScalifyIOError(f"{ctx.where(prefix)}: unknown scale node kind {kind!r:.80} in the scalify metadata")
 
 
 def _describe(data, scale) -> str:
@@ -250,7 +235,12 @@ def _check_scaled(fmt, data, scale, where):
         )
 
 
-def _decode(d, ctx: _Ctx, prefix: str):
+def _decode(d, ctx: _Ctx, prefix: str, *, in_scale: bool = False):
+    """The tree described by ``d``; with ``in_scale``, a ScaledArray's scale pytree.
+
+    Both share the containers (dict, list, tuple) and array leaves; only a tree holds ScaledArrays
+    (``scaled``) and only a scale holds registered scale classes (``node``).
+    """
     if d is None:
         return None
     where = ctx.where(prefix)
@@ -258,20 +248,30 @@ def _decode(d, ctx: _Ctx, prefix: str):
     if kind == "array":
         return ctx.take(v, prefix)
     if kind == "dict":
-        return {k: _decode(c, ctx, _join(prefix, k)) for k, c in v.items()}
+        return {k: _decode(c, ctx, _join(prefix, k), in_scale=in_scale) for k, c in v.items()}
     if kind in ("list", "tuple"):
-        items = [_decode(c, ctx, _join(prefix, i)) for i, c in enumerate(v)]
+        items = [_decode(c, ctx, _join(prefix, i), in_scale=in_scale) for i, c in enumerate(v)]
         return items if kind == "list" else tuple(items)
-    if kind == "scaled":
-        fmt = _serialization.format_from_spec(v["fmt"], where=where)
-        data = ctx.take(v["data"], _join(prefix, "data"))
-        scale = _decode_scale(v["scale"], ctx, _join(prefix, "scale"))
-        dtype = None if v["dtype"] is None else jnp.dtype(v["dtype"])
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-            raise ScalifyIOError(f"{where}: logical dtype {dtype} is not floating; a ScaledArray holds floating values")
-        _check_scaled(fmt, data, scale, where)
-        return ScaledArray(data, scale, fmt=fmt, dtype=dtype)
-    raise ScalifyIOError(f"{where}: unknown node kind {kind!r:.80} in the scalify metadata")
+    if in_scale and kind == "node":  # a registered scale class (NamedTuple, attrs, dataclass)
+        cls = _serialization.scale_type_by_name(d["node"], where=where)
+        return cls(**{k: _decode(c, ctx, _join(prefix, k), in_scale=True) for k, c in d["fields"].items()})
+    if not in_scale and kind == "scaled":
+        return _decode_scaled(v, ctx, prefix)
+    what = "scale node" if in_scale else "node"
+    raise ScalifyIOError(f"{where}: unknown {what} kind {kind!r:.80} in the scalify metadata")
+
+
+def _decode_scaled(v, ctx: _Ctx, prefix: str) -> ScaledArray:
+    """A ScaledArray from its ``scaled`` description, checked against its format."""
+    where = ctx.where(prefix)
+    fmt = _serialization.format_from_spec(v["fmt"], where=where)
+    data = ctx.take(v["data"], _join(prefix, "data"))
+    scale = _decode(v["scale"], ctx, _join(prefix, "scale"), in_scale=True)
+    dtype = None if v["dtype"] is None else jnp.dtype(v["dtype"])
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise ScalifyIOError(f"{where}: logical dtype {dtype} is not floating; a ScaledArray holds floating values")
+    _check_scaled(fmt, data, scale, where)
+    return ScaledArray(data, scale, fmt=fmt, dtype=dtype)
 
 
 def _from_checkpoint(path: Path, why: str):
@@ -281,17 +281,18 @@ def _from_checkpoint(path: Path, why: str):
             f"{path}: {why}, and this qformats has no read_checkpoint to read published checkpoints. "
             f"scalify.io.load reads .safetensors files written by scalify.io.save."
         )
+    tensors = reader(path)
     out = {}
-    for name, t in reader(path).items():
+    while tensors:  # popped as converted, so each host array can be freed once JAX holds the tensor
+        name, t = tensors.popitem()
         if isinstance(t, np.ndarray | np.generic | jax.Array):
             out[name] = _to_jax(np.asarray(t))
         else:
             fmt, data, scale = t
             dtype = getattr(t, "dtype", None) or jnp.float32
-            out[name] = ScaledArray(
-                jnp.asarray(data), jax.tree.map(lambda s: _to_jax(np.asarray(s)), scale), fmt=fmt, dtype=dtype
-            )
-    return out
+            data = jax.device_put(np.asarray(data))  # as jnp.asarray, but adopting an aligned buffer
+            out[name] = ScaledArray(data, jax.tree.map(lambda s: _to_jax(np.asarray(s)), scale), fmt=fmt, dtype=dtype)
+    return dict(reversed(out.items()))  # the reader's order
 
 
 def load(path):
@@ -331,8 +332,8 @@ def load(path):
         raise ScalifyIOError(
             f"{path}: the {TREE_KEY!r} metadata is not valid JSON ({e}); the file is corrupted"
         ) from None
-    # Converted one at a time, so the host copy of only one tensor is alive besides the result.
-    # (read_header has validated every offset and size against the file before this reads a byte.)
+    # Converted one at a time, so at most one tensor's host buffer is alive besides the result (on
+    # CPU none: the result adopts it). read_header has validated every offset and size already.
     tensors = {name: _to_jax(arr) for name, arr in _safetensors.iter_tensors(path)}
     ctx = _Ctx(path, tensors)
     try:
