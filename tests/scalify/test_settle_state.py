@@ -18,8 +18,12 @@ def _loss(p, x, y):
     return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - y) ** 2)
 
 
+TRACES = [0]  # Python runs the step's body once per trace: a count that no cache policy hides
+
+
 def _train_step(p, m, x, y):
     """SGD with momentum: the momentum is state the step returns beside the parameters."""
+    TRACES[0] += 1
     loss, g = jax.value_and_grad(_loss)(p, x, y)
     m = jax.tree.map(lambda mi, gi: MOMENTUM * mi + gi, m, g)
     p = jax.tree.map(lambda pi, mi: pi - LR * mi, p, m)
@@ -59,12 +63,16 @@ def test_settled_state_compiles_the_step_once(settle, zeros):
     ref = _run(jax.jit(scalify.scalify(_train_step)), state, x, y)[1]
     if settle:
         state = scalify.tree.settle_state(step, state, x, y)
+    # Traces during the training loop (a trace settle_state made for the settled layout may be
+    # reused: then the loop traces nothing). ``_cache_size()`` is not used: it counts only the
+    # C++ fast path's entries, which another test's leftover state can leave empty.
+    TRACES[0] = 0
     _, losses = _run(step, state, x, y)
     if settle:
-        assert step._cache_size() == 1
+        assert TRACES[0] <= 1
         np.testing.assert_allclose(losses, ref, rtol=1e-6)  # same values: the same training
     else:
-        assert step._cache_size() > 1  # what settle_state is for
+        assert TRACES[0] > 1  # what settle_state is for
 
 
 def test_settled_zero_state_leaves_the_first_gradient_its_scale():
