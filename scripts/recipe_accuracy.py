@@ -154,7 +154,7 @@ def run(args):
         key = _key(name, seed, args.steps)
         if key in data["runs"]:
             continue
-        if args.stop_at and datetime.datetime.now(datetime.timezone.utc) >= args.stop_at:
+        if args.stop_at and datetime.datetime.now(datetime.UTC) >= args.stop_at:
             print(f"stop-at reached; not starting {key}", file=sys.stderr)
             break
         fmt = "fp32" if name == "fp32" else loop.recipe_mode(name)
@@ -173,7 +173,7 @@ def run(args):
 
 
 def _now():
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _stats(vals):
@@ -433,7 +433,7 @@ def main(argv=None):
     args.only = set(args.only.split(",")) if args.only else None
     if args.stop_at:
         hh, mm = (int(x) for x in args.stop_at.split(":"))
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         args.stop_at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
     data = _load(args.json) if args.render_only else run(args)
     render(data, args.steps, args.doc, None if args.no_plot else args.plot, args.seeds, args.ablation_seeds)
