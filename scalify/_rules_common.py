@@ -205,14 +205,18 @@ def promote(x, *, zero_adopts=True):
     return ScaledArray(arr, jnp.ones((), F32))
 
 
+def finite_or_zero(v):
+    """``v`` with its NaN and Inf entries replaced by 0 (for maxima that must ignore them)."""
+    return lax.select(lax.is_finite(v), v, lax.full_like(v, 0.0))
+
+
 def finite_max(s):
     """The largest finite entry of a scale grid, 1 when there is none.
 
     A NaN or Inf block scale (a format's block holding a NaN or Inf) must not become the scale of
     the other blocks: divided by this finite scale, it moves into the data of its own block only.
     """
-    s = cast(s, F32)
-    return safe_scale(jnp.max(lax.select(lax.is_finite(s), s, lax.full_like(s, 0.0))))
+    return safe_scale(jnp.max(finite_or_zero(cast(s, F32))))
 
 
 def fold(x: ScaledArray) -> ScaledArray:
@@ -337,8 +341,7 @@ def block_amax(v, grid_shape):
     ``y * y`` overflowed in every row, not only in the row of the Inf. (qformats needs the NaN-exact
     reduction because a NaN must reach the encoded scale; that costs a second pass and a conditional.)
     """
-    v = jnp.abs(jnp.asarray(v, F32))
-    v = lax.select(lax.is_finite(v), v, lax.full_like(v, 0.0))
+    v = finite_or_zero(jnp.abs(jnp.asarray(v, F32)))
     if v.size == 0:
         return jnp.ones(grid_shape, F32)
     if not grid_shape or v.ndim == 0:
@@ -411,8 +414,7 @@ def combine_max(scales, mode):
     overflow. A NaN / Inf scale (a format's NaN block) is left out: its ratio ``NaN / common`` puts
     the NaN into that operand's data, so a ``select`` of the other operand stays finite."""
     del mode
-    fin = [lax.select(lax.is_finite(s), s, lax.full_like(s, 0.0)) for s in scales]
-    return safe_scale(functools.reduce(lax.max, fin))
+    return safe_scale(functools.reduce(lax.max, [finite_or_zero(s) for s in scales]))
 
 
 @staged("combine", "floor")

@@ -55,12 +55,24 @@ from scalify._scaled_array import ScaledArray, cast, to_carrier
 _F32_DTYPE = np.dtype(np.float32)
 
 
-def _binary(eqn, a, b, op_scale):
+def _promoted(a, b):
+    """Both operands as carriers whose block grids broadcast (folded to per-tensor if they do not)."""
     pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
     if _grid_shapes_compatible([pa, pb]) is None:
         pa, pb = fold(pa), fold(pb)
+    return pa, pb
+
+
+def _binary(eqn, a, b, op_scale):
+    pa, pb = _promoted(a, b)
     (data,) = bind_eqn(eqn, [pa.data, pb.data])
     return ScaledArray(data, op_scale(pa.scale, pb.scale))
+
+
+def _binary_f32(eqn, pa, pb, op_scale):
+    """``(op(data_a, data_b) in float32, op_scale(scales) as a grid)`` of promoted operands."""
+    q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
+    return q, _grid_of(op_scale(pa.scale, pb.scale), q.ndim)
 
 
 @register_rule(
@@ -93,11 +105,7 @@ def _mul(eqn, a, b):
         # A plain runtime operand has scale 1 and a magnitude unknown at trace time: in a narrow
         # carrier its product with the other's data overflows (float16: plain 2^15 times data 4)
         # or flushes. As for a quotient: the product in float32, renormalised per block.
-        pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
-        if _grid_shapes_compatible([pa, pb]) is None:
-            pa, pb = fold(pa), fold(pb)
-        q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
-        return renormalize(q, _grid_of(lax.mul(pa.scale, pb.scale), q.ndim), out_dtype)
+        return renormalize(*_binary_f32(eqn, *_promoted(a, b), lax.mul), out_dtype)
     return _binary(eqn, a, b, lax.mul)
 
 
@@ -109,9 +117,7 @@ def _mul(eqn, a, b):
     keeps_format=True,
 )
 def _div(eqn, a, b):
-    pa, pb = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
-    if _grid_shapes_compatible([pa, pb]) is None:
-        pa, pb = fold(pa), fold(pb)
+    pa, pb = _promoted(a, b)
     out_dtype = eqn.outvars[0].aval.dtype
     v = static_scalar(b)
     if is_scaled(a) and v is not None and v != 0.0 and np.isfinite(v) and _same_shape(eqn, a):
@@ -120,8 +126,7 @@ def _div(eqn, a, b):
         # A static divisor is split into 2^k * [1, 2): the data at most halves, nothing to renormalise.
         (data,) = bind_eqn(eqn, [pa.data, pb.data])
         return ScaledArray(data, lax.div(pa.scale, pb.scale))
-    q = eqn.primitive.bind(cast(pa.data, F32), cast(pb.data, F32))
-    scale = _grid_of(lax.div(pa.scale, pb.scale), q.ndim)
+    q, scale = _binary_f32(eqn, pa, pb, lax.div)
     if wide(out_dtype):
         # The float32 quotient is the carrier's data as it is (a pass to renormalise it would only
         # protect a narrow carrier's range).
