@@ -290,8 +290,8 @@ def _from_checkpoint(path: Path, why: str):
         else:
             fmt, data, scale = t
             dtype = getattr(t, "dtype", None) or jnp.float32
-            data = jax.device_put(np.asarray(data))  # as jnp.asarray, but adopting an aligned buffer
-            out[name] = ScaledArray(data, jax.tree.map(lambda s: _to_jax(np.asarray(s)), scale), fmt=fmt, dtype=dtype)
+            scale = jax.tree.map(lambda s: _to_jax(np.asarray(s)), scale)
+            out[name] = ScaledArray(_to_jax(np.asarray(data)), scale, fmt=fmt, dtype=dtype)
     return dict(reversed(out.items()))  # the reader's order
 
 
