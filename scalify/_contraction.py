@@ -39,8 +39,7 @@ from jax import lax
 
 from scalify._config import get_config
 from scalify._jax_compat import bind_eqn_with
-from scalify._pow2 import pow2_round_down
-from scalify._rules_common import F32, promote, settle, wide
+from scalify._rules_common import F32, promote, recentre, settle, wide
 from scalify._scaled_array import ScaledArray, cast, expand_scale, normalize_scale
 
 _F32_DTYPE = np.dtype(np.float32)
@@ -141,36 +140,14 @@ def _is_float8(d) -> bool:
 def _finish(acc, scale, out_dtype) -> ScaledArray:
     """The float32 accumulator ``acc`` times ``scale`` as a carrier of the logical ``out_dtype``:
     for float32 and bfloat16 (their range is float32's) with the scale re-centred
-    (:func:`_recentre`), settled on its amax for a narrower carrier; re-quantized under
+    (:func:`~scalify._rules_common.recentre`), settled on its amax for a narrower carrier; re-quantized under
     ``ScalifyConfig.dot_output_format``."""
     if wide(out_dtype):
-        acc, scale = _recentre(acc, scale)
+        acc, scale = recentre(acc, scale)
         out = ScaledArray(cast(acc, out_dtype), scale)
     else:
         out = settle(acc, scale, out_dtype)
     return output_format(out, out_dtype)
-
-
-SCALE_WINDOW = 2.0**32
-
-
-def _recentre(acc, scale):
-    """``(acc * r, scale / r)``: a scale whose largest entry leaves ``[2^-32, 2^32]`` moves into
-    the accumulator as the power of two ``r`` at or below that entry (exact).
-
-    A factor that a format keeps out of its GEMM values (a per-tensor scale, NVFP4's tensor
-    scale, per-channel scales) multiplies into the output scale, while the values stay at the
-    element's magnitude (up to 57344 for fp8_e5m2). Along a chain of contractions the scale then
-    shrinks by the element max each time and the accumulator grows by as much: the eighth
-    fp8_e5m2 matmul's scale (2^-128) flushed to zero while its data overflowed. Re-centring keeps
-    both in range at the cost of one multiply, which XLA fuses into the accumulator's consumer;
-    no amax reduction is needed (the scale alone shows the drift).
-    """
-    s = cast(scale, F32)
-    m = jnp.max(s) if s.ndim else s
-    inside = ((m >= np.float32(1 / SCALE_WINDOW)) & (m <= np.float32(SCALE_WINDOW))) | ~(lax.is_finite(m) & (m > 0))
-    r = lax.select(inside, np.float32(1.0), pow2_round_down(m))
-    return lax.mul(acc, r.astype(acc.dtype)), lax.div(s, r)
 
 
 def output_format(out: ScaledArray, dtype) -> ScaledArray:

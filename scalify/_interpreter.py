@@ -197,7 +197,13 @@ class _Scalify(_walk.Walk):
     def eval(self, jaxpr, consts, args):
         """A fresh evaluation (its own sealed scales) with the fills of ``args`` known."""
         with fill_scope(args):
-            return _walk.eval_jaxpr(_Scalify(args), jaxpr, consts, args)
+            outs = _walk.eval_jaxpr(_Scalify(args), jaxpr, consts, args)
+            known = [(o, bound_of(o)) for o in outs if isinstance(o, ScaledArray)]
+        # The outputs' data bounds stay known to the caller (a loop body's outputs, a branch's).
+        for o, hi in known:
+            if hi is not None:
+                note_bound(o, hi)
+        return outs
 
     def apply(self, eqn, invals):
         """The rule of ``eqn`` when it needs one (scaled operands, ``always``), else bind it."""

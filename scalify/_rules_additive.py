@@ -21,7 +21,6 @@ from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
     align,
-    bound_of,
     combine_l2,
     dequant,
     fold,
@@ -29,6 +28,7 @@ from scalify._rules_common import (
     is_scaled,
     measured,
     note_bound,
+    operand_bound,
     per_tensor,
     promote,
     requant_blocks,
@@ -59,7 +59,7 @@ def _add(eqn, *xs):
     # roundings (and without their underflow) of rescaling in the carrier dtype first.
     datas, s = align(list(xs), combine_l2, dtype=F32)
     out = ScaledArray(cast(bind_eqn(eqn, datas)[0], _carrier_dtype(xs, out_dtype)), s)
-    bounds = [bound_of(x) for x in xs]
+    bounds = [operand_bound(x) for x in xs]
     if all(b is not None for b in bounds):
         # Each operand is shifted by s_i / s <= 1 (<= 2 with unrounded scales): |a + b| <= 2 (ha + hb).
         note_bound(out, 2.0 * sum(bounds))
@@ -154,10 +154,17 @@ def _concatenate(eqn, *xs):
     blocks = {block_of(tuple(q.scale.shape), tuple(q.data.shape)) for q in ps if not per_tensor(q)}
     if not any(per_tensor(q) for q in ps) and len(blocks) == 1:
         (data,) = bind_eqn(eqn, [q.data for q in ps])
-        return ScaledArray(data, jnp.concatenate([q.scale for q in ps], axis=dim))
+        return _max_bound(ScaledArray(data, jnp.concatenate([q.scale for q in ps], axis=dim)), xs)
     ps = [fold(q) for q in ps]
     datas, s = align(ps)
-    return ScaledArray(bind_eqn(eqn, datas)[0], s)
+    return _max_bound(ScaledArray(bind_eqn(eqn, datas)[0], s), xs)
+
+
+def _max_bound(out, xs):
+    """``out`` with the largest of its operands' data bounds: the data are placed side by side,
+    each on its own block scale or shifted right to the largest scale (:func:`combine_max`)."""
+    bounds = [operand_bound(x) for x in xs]
+    return note_bound(out, max(bounds)) if all(b is not None for b in bounds) else out
 
 
 _stack_p = lax_primitive("stack")
@@ -170,9 +177,9 @@ if _stack_p is not None:
         blocks = {block_of(tuple(q.scale.shape), tuple(q.data.shape)) for q in ps if not per_tensor(q)}
         if not any(per_tensor(q) for q in ps) and len(blocks) == 1:
             (data,) = bind_eqn(eqn, [q.data for q in ps])
-            return ScaledArray(data, jnp.stack([q.scale for q in ps], axis=axis))
+            return _max_bound(ScaledArray(data, jnp.stack([q.scale for q in ps], axis=axis)), xs)
         datas, s = align([fold(q) for q in ps])
-        return ScaledArray(bind_eqn(eqn, datas)[0], s)
+        return _max_bound(ScaledArray(bind_eqn(eqn, datas)[0], s), xs)
 
 
 _scatter_sub_p = lax_primitive("scatter-sub")

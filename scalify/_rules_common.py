@@ -19,7 +19,7 @@ from jax import lax
 import qformats as qf
 from scalify._config import Pow2RoundMode, get_config
 from scalify._jax_compat import bind_eqn, explicit_sharding, is_tracer
-from scalify._pow2 import pow2_ceil_np, pow2_round, pow2_round_np, pow2_round_up
+from scalify._pow2 import pow2_ceil_np, pow2_round, pow2_round_down, pow2_round_np, pow2_round_up
 from scalify._scaled_array import ScaledArray, block_of, cast, expand_scale
 
 F32 = jnp.float32
@@ -111,6 +111,17 @@ def bound_of(x):
     bounds = _BOUNDS.get()
     hit = bounds.get(id(x.data)) if bounds is not None and is_scaled(x) else None
     return hit[1] if hit is not None and hit[0] is x.data else None
+
+
+def operand_bound(x):
+    """The data bound ``x`` has as a carrier operand (see :func:`promote`): its recorded bound, 2
+    for a static non-zero scalar (its mantissa), 0 for a static zero; None when unknown."""
+    if is_scaled(x):
+        return bound_of(x)
+    v = static_scalar(x)
+    if v is None or not np.isfinite(v):
+        return None
+    return 0.0 if v == 0.0 else 2.0
 
 
 def note_fill(x, value: float):
@@ -329,6 +340,65 @@ def settle_carried(x):
     # mask fill in an MX block), overflowed the larger block scales to Inf and flushed the other
     # blocks' data (0 * Inf = NaN in every other block).
     return settle(x.data, x.scale, x.data.dtype, per_block=True)
+
+
+# Scale window of wide carriers that are not settled on their amax (contraction outputs, loop
+# carries): a power of two outside it moves into the data.
+SCALE_WINDOW = 2.0**32
+
+
+def recentre(data, scale):
+    """``(data * r, scale / r)``: a scale whose largest entry leaves ``[2^-32, 2^32]`` moves into
+    the data as the power of two ``r`` at or below that entry (exact).
+
+    A factor that a format keeps out of its GEMM values (a per-tensor scale, NVFP4's tensor
+    scale, per-channel scales) multiplies into a contraction's output scale, while the values stay
+    at the element's magnitude (up to 57344 for fp8_e5m2). Along a chain of contractions the scale
+    then shrinks by the element max each time and the accumulator grows by as much: the eighth
+    fp8_e5m2 matmul's scale (2^-128) flushed to zero while its data overflowed. Re-centring keeps
+    both in range at the cost of one multiply, which XLA fuses into the data's consumer; no amax
+    reduction is needed (the scale alone shows the drift). A wide carrier's data then holds
+    ``value / scale`` within float32's range for every ``|value|`` in ``[2^-94, 2^96]``.
+    """
+    s = cast(scale, F32)
+    m = jnp.max(s) if s.ndim else s
+    inside = ((m >= np.float32(1 / SCALE_WINDOW)) & (m <= np.float32(SCALE_WINDOW))) | ~(lax.is_finite(m) & (m > 0))
+    r = lax.select(inside, np.float32(1.0), pow2_round_down(m))
+    return lax.mul(data, r.astype(data.dtype)), lax.div(s, r)
+
+
+def loop_anchor(x, accumulates: bool):
+    """The loop-invariant scale of a loop carry ``x`` (a per-tensor value entering the loop), or
+    None for a carry that is settled each iteration (:func:`carried`).
+
+    An accumulator (the body returns ``carry + term``, as a gradient accumulated over a scan's
+    steps) of a wide carrier (float32, bfloat16 data) needs no amax to stay in range: expressed on
+    one scale ``S`` for the whole loop (the entry scale, re-centred into ``[2^-32, 2^32]``), its
+    data is the float32 sum divided by a constant power of two, so it grows exactly as the value
+    does and overflows only where ``|value| > 2^96`` (:func:`recentre`). Settling it instead cost
+    two passes over the carry per iteration (its amax, then the rescale). A narrow carrier
+    (float16, float8) has too little range for that, and a carry the body multiplies is better
+    settled: its data bound is then known and its products need no renormalising pass.
+    """
+    if not (accumulates and is_scaled(x) and x.fmt is None and measured() and wide(x.data.dtype)) or x.scale.ndim:
+        return None
+    return recentre(jnp.ones((), F32), x.scale)[1]
+
+
+def carried(x, anchor):
+    """A loop carry entering or leaving an iteration: on the loop's ``anchor`` scale (``data *
+    scale / anchor``, one multiply that XLA fuses into the carry's producer), else settled
+    (:func:`settle_carried`; its data bound inside the body is then the window's)."""
+    if anchor is None:
+        return settle_carried(x)
+    return ScaledArray(lax.mul(x.data, cast(lax.div(cast(x.scale, F32), anchor), x.data.dtype)), anchor)
+
+
+def loop_bound(x, anchor):
+    """The data bound a carry has inside the loop body (see :func:`carried`), or None."""
+    if anchor is None and is_scaled(x) and x.fmt is None and measured() and is_float(x.data):
+        return WINDOW
+    return None
 
 
 def block_amax(v, grid_shape):

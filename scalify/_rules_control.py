@@ -27,6 +27,7 @@ import qformats as qf
 from scalify._config import get_config
 from scalify._interpreter import WALK, eval_closed, eval_jaxpr, scalify
 from scalify._jax_compat import (
+    add_any_p,
     closed_call_p,
     cond_p,
     custom_jvp_call_p,
@@ -43,11 +44,13 @@ from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
     bound_of,
+    carried,
     dequant,
     fold,
+    loop_anchor,
+    loop_bound,
     note_bound,
     note_fill,
-    settle_carried,
     static_scalar,
 )
 from scalify._scaled_array import ScaledArray, block_of, expand_scale, is_scaled_leaf, to_carrier
@@ -344,6 +347,37 @@ def _carry_fixpoint(body, carry):
     return mask
 
 
+def _accumulators(jaxpr, first_carry: int, n: int) -> list[bool]:
+    """Which of the ``n`` carries (body inputs from ``first_carry``, outputs from 0) the body
+    returns as ``carry + term`` (an add whose operand is the carry itself)."""
+    producer = {id(v): e for e in jaxpr.eqns for v in e.outvars}
+    out = []
+    for i in range(n):
+        e = producer.get(id(jaxpr.outvars[i]))
+        carry = jaxpr.invars[first_carry + i]
+        out.append(e is not None and e.primitive in _ADDS and any(v is carry for v in e.invars))
+    return out
+
+
+_ADDS = (lax.add_p, lax.sub_p, add_any_p)
+
+
+def _enter(init, mask, accumulates):
+    """The loop's entry carries and, per carry, its anchor (:func:`loop_anchor`) and data bound
+    inside the body (:func:`loop_bound`)."""
+    init = [_as_loop_value(c, m) for c, m in zip(init, mask, strict=True)]
+    anchors = [loop_anchor(c, acc) for c, acc in zip(init, accumulates, strict=True)]
+    bounds = [loop_bound(c, a) for c, a in zip(init, anchors, strict=True)]
+    return [carried(c, a) for c, a in zip(init, anchors, strict=True)], anchors, bounds
+
+
+def _noted(values, bounds):
+    for v, hi in zip(values, bounds, strict=True):
+        if hi is not None:
+            note_bound(v, hi)
+    return values
+
+
 @register_rule([while_p], "control", "lax.while_loop over interpreted cond/body; scaled carries per-tensor.")
 def _while(eqn, *args):
     cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
@@ -355,15 +389,17 @@ def _while(eqn, *args):
 
     mask = _carry_fixpoint(shape_body, init)
 
+    init, anchors, bounds = _enter(init, mask, _accumulators(body_j.jaxpr, bn, len(init)))
+
     def body(c):
-        outs = eval_closed(body_j, *bconsts, *c)
-        return [settle_carried(_as_loop_value(o, m)) for o, m in zip(outs, mask, strict=True)]
+        outs = eval_closed(body_j, *bconsts, *_noted(c, bounds))
+        return [carried(_as_loop_value(o, m), a) for o, m, a in zip(outs, mask, anchors, strict=True)]
 
     def cond(c):
-        (pred,) = eval_closed(cond_j, *cconsts, *c)
+        (pred,) = eval_closed(cond_j, *cconsts, *_noted(c, bounds))
         return dequant(pred) if isinstance(pred, ScaledArray) else pred
 
-    return lax.while_loop(cond, body, [_as_loop_value(c, m) for c, m in zip(init, mask, strict=True)])
+    return lax.while_loop(cond, body, init)
 
 
 @register_rule([scan_p], "control", "lax.scan over the interpreted body; scaled carries per-tensor, ys stacked scales.")
@@ -374,11 +410,12 @@ def _scan(eqn, *args):
     length = eqn.params["length"]
 
     # xs: per-tensor scales stay outside the loop; block scales along axis 0 are scanned.
-    xs_in, rebuild = [], []
+    xs_in, rebuild, xbounds = [], [], []
     for x in xs:
         if isinstance(x, ScaledArray):
             if x.scale.ndim > 0 and x.scale.shape[0] != x.data.shape[0]:
                 x = fold(x)
+            xbounds.append(bound_of(x))  # a slice's data is bounded by the stacked data's bound
             if x.scale.ndim == 0:
                 xs_in.append(x.data)
                 rebuild.append(("const", x.scale))
@@ -388,8 +425,12 @@ def _scan(eqn, *args):
         else:
             xs_in.append(x)
             rebuild.append(("plain", None))
+            xbounds.append(None)
 
     def unpack(xs_t):
+        return _noted(_unpacked(xs_t), xbounds)
+
+    def _unpacked(xs_t):
         out = []
         for v, (kind, s) in zip(xs_t, rebuild, strict=True):
             if kind == "const":
@@ -417,14 +458,18 @@ def _scan(eqn, *args):
         return jax.eval_shape(lambda cc: raw_body(cc, x0)[0], c)
 
     mask = _carry_fixpoint(shape_body, init)
-    init_c = [_as_loop_value(c, m) for c, m in zip(init, mask, strict=True)]
+    init_c, anchors, bounds = _enter(init, mask, _accumulators(closed.jaxpr, nc, ncarry))
     _, ys_shape = jax.eval_shape(lambda cc: raw_body(cc, x0), init_c)
     ymask = _scaled_mask(ys_shape)
 
+    ybounds = [None] * len(ymask)
+
     def body(c, x):
-        carry, ys = raw_body(c, x)
-        carry = [settle_carried(_as_loop_value(o, m)) for o, m in zip(carry, mask, strict=True)]
+        carry, ys = raw_body(_noted(c, bounds), x)
+        carry = [carried(_as_loop_value(o, m), a) for o, m, a in zip(carry, mask, anchors, strict=True)]
         ys = [_as_loop_value(o, m) for o, m in zip(ys, ymask, strict=True)]
+        # The bound of each output is a trace-time constant: the same for every iteration.
+        ybounds[:] = [bound_of(y) if isinstance(y, ScaledArray) else None for y in ys]
         return carry, ys
 
     carry, ys = lax.scan(body, init_c, xs_in, length=length, reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
@@ -434,7 +479,7 @@ def _scan(eqn, *args):
         else y
         for y in ys
     ]
-    return [*carry, *ys]
+    return [*carry, *_noted(ys, ybounds)]
 
 
 del is_scaled_leaf

@@ -75,6 +75,23 @@ def _binary_f32(eqn, pa, pb, op_scale):
     return q, _grid_of(op_scale(pa.scale, pb.scale), q.ndim)
 
 
+def _bounded_factors(a, b, limit: float):
+    """The factors of a carrier product with known data bounds whose product is at most ``limit``:
+    an operand of unknown magnitude is renormalised (bound 2) first; an operand with a known bound
+    above 2 only if the product would still exceed ``limit`` (each renormalising is one reduction
+    over the operand)."""
+    if bound_of(a) is None:
+        a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
+    if bound_of(b) is None:
+        b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+    if bound_of(a) * bound_of(b) > limit:
+        if bound_of(a) > 2.0:
+            a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
+        if bound_of(a) * bound_of(b) > limit and bound_of(b) > 2.0:
+            b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+    return a, b
+
+
 @register_rule(
     p.mul_p,
     "multiplicative",
@@ -93,12 +110,7 @@ def _mul(eqn, a, b):
         # each block's amax (a power of two) into the scale is exact; operands whose data bound is
         # known (settled, decoded, bounded functions) need no pass over the data when the product's
         # bound stays small.
-        ha, hb = bound_of(a), bound_of(b)
-        if ha is None or hb is None or ha * hb > product_bound(jnp.result_type(a.data.dtype, b.data.dtype)):
-            if ha is None or ha > 2.0:
-                a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
-            if hb is None or hb > 2.0:
-                b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+        a, b = _bounded_factors(a, b, product_bound(jnp.result_type(a.data.dtype, b.data.dtype)))
         return note_bound(_binary(eqn, a, b, lax.mul), bound_of(a) * bound_of(b))
     out_dtype = eqn.outvars[0].aval.dtype
     if jnp.issubdtype(out_dtype, jnp.floating) and not wide(out_dtype) and any(is_runtime_plain(x) for x in (a, b)):
@@ -185,15 +197,34 @@ def _dequant_dot(eqn, a, b):
     return _finish(out, eqn.outvars[0].aval.dtype)
 
 
-def _contracted(eqn, da, db, r: float, scale, out_dtype) -> ScaledArray:
-    """The carrier of ``eqn`` (a dot or convolution) on the data ``da``, ``db`` with scale ``scale``.
+# Largest static data bound a float32 / bfloat16 contraction output keeps without measuring:
+# half of float32's exponent range above 1. Its consumers check bounds again (a product of two
+# such outputs renormalises them first, a sum divides by its growth allowance).
+_WIDE_CONTRACTION_BOUND = 2.0**64
+
+
+def _contracted(eqn, a: ScaledArray, b: ScaledArray, k: int, r: float, scale, out_dtype) -> ScaledArray:
+    """The carrier of ``eqn`` (a dot or convolution of ``k`` products per output) on the data of
+    ``a`` and ``b`` with scale ``scale``.
 
     The float32 accumulator is divided by the growth allowance ``r`` (2^k near sqrt(K), jax-scalify's
     static estimate) and the scale multiplied by it; under ``ScalifyConfig(renormalize="amax")``
     (the default) the result is then settled on its measured amax when that leaves the window
-    (correlated or cancelling terms make the static estimate drift).
+    (correlated or cancelling terms make the static estimate drift). A float32 or bfloat16 output
+    whose data bound follows from the operands' (``k * |a| * |b|`` at most 2^64)
+    needs neither: it is the plain float32 contraction of the data, the scale is the scales'
+    product, cancellation can only shrink the data (which float32's range holds), and nothing
+    stands between the contraction and its consumer (a transposed gradient accumulated in a loop
+    is one GEMM and one add, as in the float32 program, instead of four passes).
     """
-    data, applied = _contract(eqn, da, db, r, keep_f32=measured())
+    ha, hb = bound_of(a), bound_of(b)
+    static = ha is not None and hb is not None and k * ha * hb <= _WIDE_CONTRACTION_BOUND
+    if static and measured() and jnp.issubdtype(out_dtype, jnp.floating) and wide(out_dtype):
+        # No allowance either: the contraction then feeds its consumer directly, so XLA folds a
+        # transpose of it into the GEMM as it does in the float32 program.
+        data, _ = _contract(eqn, a.data, b.data, 1.0)
+        return note_bound(ScaledArray(cast(data, out_dtype), scale), k * ha * hb)
+    data, applied = _contract(eqn, a.data, b.data, r, keep_f32=measured())
     if measured() and jnp.issubdtype(data.dtype, jnp.floating):
         return settle(data, times(scale, applied), out_dtype)
     return ScaledArray(data, times(scale, applied))
@@ -255,7 +286,7 @@ def _dot_general(eqn, a, b):
     r = sqrt_rescale(k)
     if per_tensor(a) and per_tensor(b):
         return _contraction.output_format(
-            _contracted(eqn, a.data, b.data, r, lax.mul(a.scale, b.scale), _carrier(eqn, a, b)), out_dtype
+            _contracted(eqn, a, b, k, r, lax.mul(a.scale, b.scale), _carrier(eqn, a, b)), out_dtype
         )
     ga, gb = _grid(a), _grid(b)
     # Batch grids must agree (or broadcast from 1).
@@ -273,7 +304,7 @@ def _dot_general(eqn, a, b):
         # per-block partial outputs (K/32 copies of the output) that summing block by block needs.
         return _dequant_dot(eqn, a, b)
     scale = lax.dot_general_p.bind(ga, gb, **dict(eqn.params, preferred_element_type=_F32_DTYPE))
-    return _contraction.output_format(_contracted(eqn, a.data, b.data, r, scale, _carrier(eqn, a, b)), out_dtype)
+    return _contraction.output_format(_contracted(eqn, a, b, k, r, scale, _carrier(eqn, a, b)), out_dtype)
 
 
 @register_rule(
@@ -296,7 +327,7 @@ def _conv(eqn, lhs, rhs):
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec
     fan_in = math.prod(rhs.data.shape) // rhs.data.shape[rhs_spec[0]]
     r = sqrt_rescale(fan_in)
-    return _contracted(eqn, lhs.data, rhs.data, r, lax.mul(lhs.scale, rhs.scale), _carrier(eqn, lhs, rhs))
+    return _contracted(eqn, lhs, rhs, fan_in, r, lax.mul(lhs.scale, rhs.scale), _carrier(eqn, lhs, rhs))
 
 
 def _carrier(eqn, a: ScaledArray, b: ScaledArray):
