@@ -197,6 +197,25 @@ def _dequant_dot(eqn, a, b):
     return _finish(out, eqn.outvars[0].aval.dtype)
 
 
+def _bounded_operands(eqn, a: ScaledArray, b: ScaledArray):
+    """Under the measured policy, a float32 / bfloat16 contraction's operand of unknown data bound
+    (a plain input, a drifted carrier) is renormalised first when it is no larger than the output:
+    one pass over the operand instead of a settling pass over the output, and the output's bound
+    is then static (:func:`_contracted`). The gradient of an RNN's weight, accumulated from
+    ``(batch, in)`` slices into an ``(in, out)`` sum, measures the slice, not the sum."""
+    out = eqn.outvars[0].aval
+    dtype = _carrier(eqn, a, b)
+    if not (measured() and jnp.issubdtype(dtype, jnp.floating) and wide(dtype)):
+        return a, b
+
+    def bounded(x):
+        if bound_of(x) is not None or not jnp.issubdtype(x.data.dtype, jnp.floating) or x.data.size > out.size:
+            return x
+        return renormalize(x.data.astype(F32), x.scale, x.data.dtype)
+
+    return bounded(a), bounded(b)
+
+
 # Largest static data bound a float32 / bfloat16 contraction output keeps without measuring:
 # half of float32's exponent range above 1. Its consumers check bounds again (a product of two
 # such outputs renormalises them first, a sum divides by its growth allowance).
@@ -281,6 +300,7 @@ def _as_carrier(x):
 def _dot_general(eqn, a, b):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     a, b = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
+    a, b = _bounded_operands(eqn, a, b)
     out_dtype = eqn.outvars[0].aval.dtype
     k = math.prod(a.data.shape[i] for i in lc)
     r = sqrt_rescale(k)
@@ -324,6 +344,7 @@ def _conv_rule(eqn, lhs, rhs):
 
 def _conv(eqn, lhs, rhs):
     lhs, rhs = fold(promote(lhs, zero_adopts=False)), fold(promote(rhs, zero_adopts=False))
+    lhs, rhs = _bounded_operands(eqn, lhs, rhs)
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec
     fan_in = math.prod(rhs.data.shape) // rhs.data.shape[rhs_spec[0]]
     r = sqrt_rescale(fan_in)
