@@ -51,7 +51,7 @@ from scalify._rules_common import (
     static_scalar,
 )
 from scalify._scaled_array import ScaledArray, block_of, expand_scale, is_scaled_leaf, to_carrier
-from scalify._walk import rebuild
+from scalify._walk import derivative_rule, jaxprs, operand_groups, options, rebuild
 
 _JIT_CACHE: dict = {}
 
@@ -124,12 +124,14 @@ def _jit(eqn, *args):
     statics = tuple((i, b) for i, b in enumerate(baked) if b is not None)
     dynamic = [a for a, b in zip(args, baked, strict=True) if b is None]
     bounds = tuple(bound_of(a) if isinstance(a, ScaledArray) and a.fmt is None else None for a in dynamic)
-    return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"), statics, bounds)(*dynamic)
+    (body,) = jaxprs(eqn)
+    return _cached_jit(body, options(eqn)["name"] or "scalified", statics, bounds)(*dynamic)
 
 
 @register_rule([closed_call_p], "control", "interpreted body inlined.", raw=True)
 def _closed_call(eqn, *args):
-    return eval_closed(eqn.params["call_jaxpr"], *args)
+    (body,) = jaxprs(eqn)
+    return eval_closed(body, *args)
 
 
 # -- custom derivative rules ------------------------------------------------------------------------
@@ -204,15 +206,17 @@ def _conform(o, like):
 def _flat_primal(eqn, args):
     """``(leaves, treedef, body)``: the operands' carrier leaves and the interpreted primal on them."""
     leaves, treedef = _flatten_operands(args)
+    (primal,) = jaxprs(eqn)
 
     def body(*flat):
-        return _carrier_outputs(eval_closed(eqn.params["call_jaxpr"], *treedef.unflatten(flat)))
+        return _carrier_outputs(eval_closed(primal, *treedef.unflatten(flat)))
 
     return leaves, treedef, body
 
 
 def _custom_jvp(eqn, args):
-    nc = eqn.params["num_consts"]
+    nc = len(operand_groups(eqn, args)[0])
+    (jvp_rule,) = derivative_rule(eqn)
     leaves, treedef, body = _flat_primal(eqn, args)
     fn = jax.custom_jvp(body)
 
@@ -222,7 +226,7 @@ def _custom_jvp(eqn, args):
         xs = treedef.unflatten(list(primal_leaves))[nc:]
         ts = treedef.unflatten(list(tangent_leaves))[nc:]
         zeros = [not _differentiable(x.data if isinstance(x, ScaledArray) else x) for x in xs]
-        jaxpr, consts, out_zeros = custom_jvp_jaxpr(eqn, zeros)
+        jaxpr, consts, out_zeros = custom_jvp_jaxpr(jvp_rule, zeros)
         nz = [_logical_tangent(x, t) for x, t, z in zip(xs, ts, zeros, strict=True) if not z]
         res = eval_jaxpr(jaxpr, consts, *xs, *nz)
         nz_out = iter(res[len(out_zeros) :])
@@ -236,14 +240,16 @@ def _custom_jvp(eqn, args):
 
 
 def _custom_vjp(eqn, args):
-    nc = eqn.params["num_consts"]
+    nc = len(operand_groups(eqn, args)[0])
+    fwd_rule, bwd_rule, out_trees = derivative_rule(eqn)
     leaves, treedef, body = _flat_primal(eqn, args)
     fn = jax.custom_vjp(body)
 
     def fwd(*flat):
         xs = treedef.unflatten(list(flat))
         primals = xs[nc:]
-        jaxpr, consts, n_res, input_fwds = custom_vjp_fwd_jaxpr(eqn, [_differentiable(x) for x in primals])
+        nonzeros = [_differentiable(x) for x in primals]
+        jaxpr, consts, n_res, input_fwds = custom_vjp_fwd_jaxpr(fwd_rule, out_trees, nonzeros)
         outs = eval_jaxpr(jaxpr, consts, *primals)
         computed = iter(outs[:n_res])
         res = [next(computed) if f is None else primals[f] for f in input_fwds]
@@ -261,7 +267,7 @@ def _custom_vjp(eqn, args):
             for o, c in zip(outs, cts, strict=True)
         ]
         in_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs[nc:]]
-        user_bwd = scalify(lambda *a: custom_vjp_bwd(eqn, a[: len(res)], a[len(res) :], in_avals))
+        user_bwd = scalify(lambda *a: custom_vjp_bwd(bwd_rule, a[: len(res)], a[len(res) :], in_avals))
         cts_in = user_bwd(*res, *cts_v)
         leaf_cts = [None] * nc + [_leaf_cotangent(x, c) for x, c in zip(xs[nc:], cts_in, strict=True)]
         flat_cts = []
@@ -318,7 +324,7 @@ def _scaled_mask(outs):
 
 @register_rule([cond_p], "control", "lax.switch over interpreted branches; scaled outputs as per-tensor carriers.")
 def _cond(eqn, index, *ops):
-    branches = eqn.params["branches"]
+    (branches,) = jaxprs(eqn)
     if isinstance(index, ScaledArray):
         index = dequant(index)
     fns = [functools.partial(eval_closed, br) for br in branches]
@@ -346,9 +352,8 @@ def _carry_fixpoint(body, carry):
 
 @register_rule([while_p], "control", "lax.while_loop over interpreted cond/body; scaled carries per-tensor.")
 def _while(eqn, *args):
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cconsts, bconsts, init = args[:cn], args[cn : cn + bn], list(args[cn + bn :])
-    cond_j, body_j = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cconsts, bconsts, init = operand_groups(eqn, args)
+    cond_j, body_j = jaxprs(eqn)
 
     def shape_body(c):
         return jax.eval_shape(lambda cc: eval_closed(body_j, *bconsts, *cc), c)
@@ -368,30 +373,29 @@ def _while(eqn, *args):
 
 @register_rule([scan_p], "control", "lax.scan over the interpreted body; scaled carries per-tensor, ys stacked scales.")
 def _scan(eqn, *args):
-    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
-    closed = eqn.params["jaxpr"]
-    consts, init, xs = args[:nc], list(args[nc : nc + ncarry]), list(args[nc + ncarry :])
-    length = eqn.params["length"]
+    consts, init, xs = operand_groups(eqn, args)
+    (closed,) = jaxprs(eqn)
+    ncarry = len(init)
 
     # xs: per-tensor scales stay outside the loop; block scales along axis 0 are scanned.
-    xs_in, rebuild = [], []
+    xs_in, layout = [], []
     for x in xs:
         if isinstance(x, ScaledArray):
             if x.scale.ndim > 0 and x.scale.shape[0] != x.data.shape[0]:
                 x = fold(x)
             if x.scale.ndim == 0:
                 xs_in.append(x.data)
-                rebuild.append(("const", x.scale))
+                layout.append(("const", x.scale))
             else:
                 xs_in.append(x)
-                rebuild.append(("scan", None))
+                layout.append(("scan", None))
         else:
             xs_in.append(x)
-            rebuild.append(("plain", None))
+            layout.append(("plain", None))
 
     def unpack(xs_t):
         out = []
-        for v, (kind, s) in zip(xs_t, rebuild, strict=True):
+        for v, (kind, s) in zip(xs_t, layout, strict=True):
             if kind == "const":
                 out.append(ScaledArray(v, s))
             elif kind == "scan":
@@ -427,7 +431,7 @@ def _scan(eqn, *args):
         ys = [_as_loop_value(o, m) for o, m in zip(ys, ymask, strict=True)]
         return carry, ys
 
-    carry, ys = lax.scan(body, init_c, xs_in, length=length, reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    carry, ys = lax.scan(body, init_c, xs_in, **options(eqn))
     ys = [
         ScaledArray(y.data, y.scale.reshape(y.scale.shape + (1,) * (y.data.ndim - 1)))
         if isinstance(y, ScaledArray)
