@@ -10,7 +10,12 @@
 * ``cond`` / ``while`` / ``scan``: re-emitted as ``lax.switch`` / ``lax.while_loop`` / ``lax.scan``
   over interpreted bodies. A loop-carried or branch output that is scaled anywhere is carried as a
   per-tensor carrier (data in the logical dtype, 0-d float32 scale) so every branch and iteration
-  agrees on its type.
+  agrees on its type;
+* ``shard_map``: re-emitted as ``jax.shard_map`` of the interpreted body; each ScaledArray operand's
+  scale leaves get specs from its block grid, outputs leave as carriers (see the section below).
+
+Where each primitive keeps its sub-jaxprs, operand counts and options is the walker's
+:data:`scalify._walk.HIGHER_ORDER`; these rules read them only through it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from scalify._jax_compat import (
     jit_p,
     remat_p,
     scan_p,
+    shard_map_p,
     while_p,
 )
 from scalify._registry import register_rule
@@ -51,6 +57,7 @@ from scalify._rules_common import (
     static_scalar,
 )
 from scalify._scaled_array import ScaledArray, block_of, expand_scale, is_scaled_leaf, to_carrier
+from scalify._sharding import scaled_sharding
 from scalify._walk import derivative_rule, jaxprs, operand_groups, options, rebuild
 
 _JIT_CACHE: dict = {}
@@ -439,6 +446,60 @@ def _scan(eqn, *args):
         for y in ys
     ]
     return [*carry, *ys]
+
+
+# -- shard_map --------------------------------------------------------------------------------------
+# The body is interpreted per shard, so values inside stay ScaledArrays and its collectives take the
+# scaled rules (_rules_collectives). Specs are given for logical arrays; each operand's data and
+# scale leaves get theirs from the format's block grid (scalify._sharding): a one-element scale is
+# replicated, a block grid is split like the data when every shard holds whole blocks.
+
+
+def _leaf_in_spec(x, spec, mesh, index):
+    """The in_specs of operand ``index``: ``spec`` itself, or a ScaledArray of specs for its leaves."""
+    if not isinstance(x, ScaledArray):
+        return spec
+    try:
+        return scaled_sharding(x, spec, mesh=mesh)
+    except ValueError as e:
+        raise ValueError(f"scalify: shard_map operand {index} (in_specs {spec}): {e}") from None
+
+
+def _shard_out(o):
+    """A body output in a form one logical out_spec lays out: a carrier whose scale has the data's
+    rank. A one-element scale becomes a grid of one block per shard, so the output's scale is the
+    shards' scales side by side (exact; nothing is rescaled to a common scale)."""
+    if not isinstance(o, ScaledArray):
+        return o
+    c = to_carrier(o)
+    if c.scale.ndim == c.data.ndim:
+        return c
+    if c.scale.size != 1:
+        raise ValueError(
+            f"scalify: a shard_map output ScaledArray{list(c.shape)} has a scale of shape {c.scale.shape}, "
+            f"neither one element nor a block grid of the data's rank; its blocks cannot be laid out by "
+            f"out_specs. Dequantize it inside the body (scalify.ops.dequantize) before returning it."
+        )
+    return ScaledArray(c.data, c.scale.reshape((1,) * c.data.ndim))
+
+
+@register_rule(
+    [q for q in (shard_map_p,) if q is not None],
+    "control",
+    "jax.shard_map of the interpreted body; scale leaves laid out like their blocks (one element: "
+    "replicated), outputs carriers whose scale is the grid of the shards' scales.",
+    raw=True,
+)
+def _shard_map(eqn, *args):
+    opts = options(eqn)
+    (body,) = jaxprs(eqn)
+    specs = zip(args, opts.pop("in_specs"), strict=True)
+    in_specs = tuple(_leaf_in_spec(x, s, opts["mesh"], i) for i, (x, s) in enumerate(specs))
+
+    def local(*xs):
+        return tuple(_shard_out(o) for o in eval_closed(body, *xs))
+
+    return list(jax.shard_map(local, in_specs=in_specs, **opts)(*args))
 
 
 del is_scaled_leaf
