@@ -167,31 +167,33 @@ def define_elementwise_primitive(name, impl, *, jvp=None):
 
 
 # -- custom derivative rules of `custom_jvp_call` / `custom_vjp_call` equations -------------------
-def custom_jvp_jaxpr(eqn, tangent_zeros):
+# The rules' objects come from the walker's description (scalify._walk.derivative_rule); calling
+# them (lazy linear_util functions, symbolic zeros) is what is version-sensitive.
+def custom_jvp_jaxpr(jvp_rule, tangent_zeros):
     """``(jvp_jaxpr, consts, out_zeros)`` of a ``custom_jvp_call``'s rule, for the given zero tangents.
 
     The jaxpr takes ``(*primals, *nonzero_tangents)`` (no const operands) and returns
     ``(*primal_outs, *nonzero_out_tangents)``; ``out_zeros[i]`` says output ``i``'s tangent is zero.
     """
-    return eqn.params["jvp_jaxpr_fun"].call_wrapped(*tangent_zeros)
+    return jvp_rule.call_wrapped(*tangent_zeros)
 
 
-def custom_vjp_fwd_jaxpr(eqn, nonzeros):
+def custom_vjp_fwd_jaxpr(fwd_rule, out_trees, nonzeros):
     """``(fwd_jaxpr, consts, res_count, input_fwds)`` of a ``custom_vjp_call``'s ``fwd`` rule.
 
     The jaxpr takes the primals (no const operands) and returns ``(*residuals, *primal_outs)``, where
     only ``res_count`` residuals are computed: ``input_fwds[i]`` is the index of the primal input
     forwarded as residual ``i``, or None for a computed one.
     """
-    fwd_jaxpr, consts = eqn.params["fwd_jaxpr_thunk"].call_wrapped(*nonzeros)
-    _, res_tree, input_fwds = eqn.params["out_trees"]()
+    fwd_jaxpr, consts = fwd_rule.call_wrapped(*nonzeros)
+    _, res_tree, input_fwds = out_trees()
     res_count = res_tree.num_leaves - sum(f is not None for f in input_fwds)
     return fwd_jaxpr, consts, res_count, list(input_fwds)
 
 
-def custom_vjp_bwd(eqn, residuals, cotangents, in_avals):
+def custom_vjp_bwd(bwd, residuals, cotangents, in_avals):
     """Call a ``custom_vjp_call``'s ``bwd`` rule; symbolic zeros and ``None`` become zero arrays."""
-    outs = eqn.params["bwd"].call_wrapped(*residuals, *cotangents)
+    outs = bwd.call_wrapped(*residuals, *cotangents)
     res = []
     for c, aval in zip(outs, in_avals, strict=True):
         if c is None or isinstance(c, (ad.Zero, jax.custom_derivatives.SymbolicZero)):
@@ -328,20 +330,3 @@ def source_line(eqn) -> str:
 def wrap_init(f, like):
     """``lu.wrap_init(f)`` with the debug info of the WrappedFun ``like``."""
     return _lu.wrap_init(f, debug_info=getattr(like, "debug_info", None))
-
-
-# -- public re-emission of the higher-order primitives whose body is an open jaxpr ----------------
-def checkpoint_kwargs(params) -> dict:
-    """``jax.checkpoint`` keyword arguments that rebuild a ``checkpoint`` (remat) equation."""
-    return {"prevent_cse": params.get("prevent_cse", True), "policy": params.get("policy")}
-
-
-def shard_map_kwargs(params) -> dict:
-    """``jax.shard_map`` keyword arguments that rebuild a ``shard_map`` equation (flat operands)."""
-    return {
-        "mesh": params["mesh"],
-        "in_specs": tuple(params["in_specs"]),
-        "out_specs": tuple(params["out_specs"]),
-        "axis_names": set(params["newly_manual_axes"]),
-        "check_vma": params["check_vma"],
-    }

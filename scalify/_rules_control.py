@@ -10,7 +10,12 @@
 * ``cond`` / ``while`` / ``scan``: re-emitted as ``lax.switch`` / ``lax.while_loop`` / ``lax.scan``
   over interpreted bodies. A loop-carried or branch output that is scaled anywhere is carried as a
   per-tensor carrier (data in the logical dtype, 0-d float32 scale) so every branch and iteration
-  agrees on its type.
+  agrees on its type;
+* ``shard_map``: re-emitted as ``jax.shard_map`` of the interpreted body; each ScaledArray operand's
+  scale leaves get specs from its block grid, outputs leave as carriers (see the section below).
+
+Where each primitive keeps its sub-jaxprs, operand counts and options is the walker's
+:data:`scalify._walk.HIGHER_ORDER`; these rules read them only through it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from scalify._jax_compat import (
     jit_p,
     remat_p,
     scan_p,
+    shard_map_p,
     while_p,
 )
 from scalify._registry import register_rule
@@ -54,7 +60,8 @@ from scalify._rules_common import (
     static_scalar,
 )
 from scalify._scaled_array import ScaledArray, block_of, expand_scale, is_scaled_leaf, to_carrier
-from scalify._walk import rebuild
+from scalify._sharding import scaled_sharding
+from scalify._walk import derivative_rule, jaxprs, operand_groups, options, rebuild
 
 _JIT_CACHE: dict = {}
 
@@ -127,12 +134,14 @@ def _jit(eqn, *args):
     statics = tuple((i, b) for i, b in enumerate(baked) if b is not None)
     dynamic = [a for a, b in zip(args, baked, strict=True) if b is None]
     bounds = tuple(bound_of(a) if isinstance(a, ScaledArray) and a.fmt is None else None for a in dynamic)
-    return _cached_jit(eqn.params["jaxpr"], eqn.params.get("name", "scalified"), statics, bounds)(*dynamic)
+    (body,) = jaxprs(eqn)
+    return _cached_jit(body, options(eqn)["name"] or "scalified", statics, bounds)(*dynamic)
 
 
 @register_rule([closed_call_p], "control", "interpreted body inlined.", raw=True)
 def _closed_call(eqn, *args):
-    return eval_closed(eqn.params["call_jaxpr"], *args)
+    (body,) = jaxprs(eqn)
+    return eval_closed(body, *args)
 
 
 # -- custom derivative rules ------------------------------------------------------------------------
@@ -207,15 +216,17 @@ def _conform(o, like):
 def _flat_primal(eqn, args):
     """``(leaves, treedef, body)``: the operands' carrier leaves and the interpreted primal on them."""
     leaves, treedef = _flatten_operands(args)
+    (primal,) = jaxprs(eqn)
 
     def body(*flat):
-        return _carrier_outputs(eval_closed(eqn.params["call_jaxpr"], *treedef.unflatten(flat)))
+        return _carrier_outputs(eval_closed(primal, *treedef.unflatten(flat)))
 
     return leaves, treedef, body
 
 
 def _custom_jvp(eqn, args):
-    nc = eqn.params["num_consts"]
+    nc = len(operand_groups(eqn, args)[0])
+    (jvp_rule,) = derivative_rule(eqn)
     leaves, treedef, body = _flat_primal(eqn, args)
     fn = jax.custom_jvp(body)
 
@@ -225,7 +236,7 @@ def _custom_jvp(eqn, args):
         xs = treedef.unflatten(list(primal_leaves))[nc:]
         ts = treedef.unflatten(list(tangent_leaves))[nc:]
         zeros = [not _differentiable(x.data if isinstance(x, ScaledArray) else x) for x in xs]
-        jaxpr, consts, out_zeros = custom_jvp_jaxpr(eqn, zeros)
+        jaxpr, consts, out_zeros = custom_jvp_jaxpr(jvp_rule, zeros)
         nz = [_logical_tangent(x, t) for x, t, z in zip(xs, ts, zeros, strict=True) if not z]
         res = eval_jaxpr(jaxpr, consts, *xs, *nz)
         nz_out = iter(res[len(out_zeros) :])
@@ -239,14 +250,16 @@ def _custom_jvp(eqn, args):
 
 
 def _custom_vjp(eqn, args):
-    nc = eqn.params["num_consts"]
+    nc = len(operand_groups(eqn, args)[0])
+    fwd_rule, bwd_rule, out_trees = derivative_rule(eqn)
     leaves, treedef, body = _flat_primal(eqn, args)
     fn = jax.custom_vjp(body)
 
     def fwd(*flat):
         xs = treedef.unflatten(list(flat))
         primals = xs[nc:]
-        jaxpr, consts, n_res, input_fwds = custom_vjp_fwd_jaxpr(eqn, [_differentiable(x) for x in primals])
+        nonzeros = [_differentiable(x) for x in primals]
+        jaxpr, consts, n_res, input_fwds = custom_vjp_fwd_jaxpr(fwd_rule, out_trees, nonzeros)
         outs = eval_jaxpr(jaxpr, consts, *primals)
         computed = iter(outs[:n_res])
         res = [next(computed) if f is None else primals[f] for f in input_fwds]
@@ -264,7 +277,7 @@ def _custom_vjp(eqn, args):
             for o, c in zip(outs, cts, strict=True)
         ]
         in_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs[nc:]]
-        user_bwd = scalify(lambda *a: custom_vjp_bwd(eqn, a[: len(res)], a[len(res) :], in_avals))
+        user_bwd = scalify(lambda *a: custom_vjp_bwd(bwd_rule, a[: len(res)], a[len(res) :], in_avals))
         cts_in = user_bwd(*res, *cts_v)
         leaf_cts = [None] * nc + [_leaf_cotangent(x, c) for x, c in zip(xs[nc:], cts_in, strict=True)]
         flat_cts = []
@@ -321,7 +334,7 @@ def _scaled_mask(outs):
 
 @register_rule([cond_p], "control", "lax.switch over interpreted branches; scaled outputs as per-tensor carriers.")
 def _cond(eqn, index, *ops):
-    branches = eqn.params["branches"]
+    (branches,) = jaxprs(eqn)
     if isinstance(index, ScaledArray):
         index = dequant(index)
     fns = [functools.partial(eval_closed, br) for br in branches]
@@ -380,16 +393,15 @@ def _noted(values, bounds):
 
 @register_rule([while_p], "control", "lax.while_loop over interpreted cond/body; scaled carries per-tensor.")
 def _while(eqn, *args):
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cconsts, bconsts, init = args[:cn], args[cn : cn + bn], list(args[cn + bn :])
-    cond_j, body_j = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cconsts, bconsts, init = operand_groups(eqn, args)
+    cond_j, body_j = jaxprs(eqn)
 
     def shape_body(c):
         return jax.eval_shape(lambda cc: eval_closed(body_j, *bconsts, *cc), c)
 
     mask = _carry_fixpoint(shape_body, init)
 
-    init, anchors, bounds = _enter(init, mask, _accumulators(body_j.jaxpr, bn, len(init)))
+    init, anchors, bounds = _enter(init, mask, _accumulators(body_j.jaxpr, len(bconsts), len(init)))
 
     def body(c):
         outs = eval_closed(body_j, *bconsts, *_noted(c, bounds))
@@ -404,13 +416,12 @@ def _while(eqn, *args):
 
 @register_rule([scan_p], "control", "lax.scan over the interpreted body; scaled carries per-tensor, ys stacked scales.")
 def _scan(eqn, *args):
-    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
-    closed = eqn.params["jaxpr"]
-    consts, init, xs = args[:nc], list(args[nc : nc + ncarry]), list(args[nc + ncarry :])
-    length = eqn.params["length"]
+    consts, init, xs = operand_groups(eqn, args)
+    (closed,) = jaxprs(eqn)
+    ncarry = len(init)
 
     # xs: per-tensor scales stay outside the loop; block scales along axis 0 are scanned.
-    xs_in, rebuild, xbounds = [], [], []
+    xs_in, layout, xbounds = [], [], []
     for x in xs:
         if isinstance(x, ScaledArray):
             if x.scale.ndim > 0 and x.scale.shape[0] != x.data.shape[0]:
@@ -418,13 +429,13 @@ def _scan(eqn, *args):
             xbounds.append(bound_of(x))  # a slice's data is bounded by the stacked data's bound
             if x.scale.ndim == 0:
                 xs_in.append(x.data)
-                rebuild.append(("const", x.scale))
+                layout.append(("const", x.scale))
             else:
                 xs_in.append(x)
-                rebuild.append(("scan", None))
+                layout.append(("scan", None))
         else:
             xs_in.append(x)
-            rebuild.append(("plain", None))
+            layout.append(("plain", None))
             xbounds.append(None)
 
     def unpack(xs_t):
@@ -432,7 +443,7 @@ def _scan(eqn, *args):
 
     def _unpacked(xs_t):
         out = []
-        for v, (kind, s) in zip(xs_t, rebuild, strict=True):
+        for v, (kind, s) in zip(xs_t, layout, strict=True):
             if kind == "const":
                 out.append(ScaledArray(v, s))
             elif kind == "scan":
@@ -458,7 +469,7 @@ def _scan(eqn, *args):
         return jax.eval_shape(lambda cc: raw_body(cc, x0)[0], c)
 
     mask = _carry_fixpoint(shape_body, init)
-    init_c, anchors, bounds = _enter(init, mask, _accumulators(closed.jaxpr, nc, ncarry))
+    init_c, anchors, bounds = _enter(init, mask, _accumulators(closed.jaxpr, len(consts), ncarry))
     _, ys_shape = jax.eval_shape(lambda cc: raw_body(cc, x0), init_c)
     ymask = _scaled_mask(ys_shape)
 
@@ -472,7 +483,7 @@ def _scan(eqn, *args):
         ybounds[:] = [bound_of(y) if isinstance(y, ScaledArray) else None for y in ys]
         return carry, ys
 
-    carry, ys = lax.scan(body, init_c, xs_in, length=length, reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    carry, ys = lax.scan(body, init_c, xs_in, **options(eqn))
     ys = [
         ScaledArray(y.data, y.scale.reshape(y.scale.shape + (1,) * (y.data.ndim - 1)))
         if isinstance(y, ScaledArray)
@@ -480,6 +491,60 @@ def _scan(eqn, *args):
         for y in ys
     ]
     return [*carry, *_noted(ys, ybounds)]
+
+
+# -- shard_map --------------------------------------------------------------------------------------
+# The body is interpreted per shard, so values inside stay ScaledArrays and its collectives take the
+# scaled rules (_rules_collectives). Specs are given for logical arrays; each operand's data and
+# scale leaves get theirs from the format's block grid (scalify._sharding): a one-element scale is
+# replicated, a block grid is split like the data when every shard holds whole blocks.
+
+
+def _leaf_in_spec(x, spec, mesh, index):
+    """The in_specs of operand ``index``: ``spec`` itself, or a ScaledArray of specs for its leaves."""
+    if not isinstance(x, ScaledArray):
+        return spec
+    try:
+        return scaled_sharding(x, spec, mesh=mesh)
+    except ValueError as e:
+        raise ValueError(f"scalify: shard_map operand {index} (in_specs {spec}): {e}") from None
+
+
+def _shard_out(o):
+    """A body output in a form one logical out_spec lays out: a carrier whose scale has the data's
+    rank. A one-element scale becomes a grid of one block per shard, so the output's scale is the
+    shards' scales side by side (exact; nothing is rescaled to a common scale)."""
+    if not isinstance(o, ScaledArray):
+        return o
+    c = to_carrier(o)
+    if c.scale.ndim == c.data.ndim:
+        return c
+    if c.scale.size != 1:
+        raise ValueError(
+            f"scalify: a shard_map output ScaledArray{list(c.shape)} has a scale of shape {c.scale.shape}, "
+            f"neither one element nor a block grid of the data's rank; its blocks cannot be laid out by "
+            f"out_specs. Dequantize it inside the body (scalify.ops.dequantize) before returning it."
+        )
+    return ScaledArray(c.data, c.scale.reshape((1,) * c.data.ndim))
+
+
+@register_rule(
+    [q for q in (shard_map_p,) if q is not None],
+    "control",
+    "jax.shard_map of the interpreted body; scale leaves laid out like their blocks (one element: "
+    "replicated), outputs carriers whose scale is the grid of the shards' scales.",
+    raw=True,
+)
+def _shard_map(eqn, *args):
+    opts = options(eqn)
+    (body,) = jaxprs(eqn)
+    specs = zip(args, opts.pop("in_specs"), strict=True)
+    in_specs = tuple(_leaf_in_spec(x, s, opts["mesh"], i) for i, (x, s) in enumerate(specs))
+
+    def local(*xs):
+        return tuple(_shard_out(o) for o in eval_closed(body, *xs))
+
+    return list(jax.shard_map(local, in_specs=in_specs, **opts)(*args))
 
 
 del is_scaled_leaf

@@ -26,7 +26,6 @@ from scalify._jax_compat import (
     Jaxpr,
     Literal,
     bind_params,
-    checkpoint_kwargs,
     closed_call_p,
     cond_p,
     current_name_stack,
@@ -37,7 +36,6 @@ from scalify._jax_compat import (
     jit_p,
     remat_p,
     scan_p,
-    shard_map_kwargs,
     shard_map_p,
     source_context,
     source_line,
@@ -154,6 +152,8 @@ def retrace(walk: Walk, closed):
 
 
 # -- higher-order primitives ------------------------------------------------------------------------
+# The only place in the library that names the params of a higher-order primitive: the walker's
+# `rebuild` and scalify's control rules both read sub-jaxprs, operand counts and options through it.
 
 
 class HigherOrder(NamedTuple):
@@ -163,54 +163,121 @@ class HigherOrder(NamedTuple):
         closed: params holding ClosedJaxprs (or tuples of them, cond's ``branches``); rebuilt by
             binding the primitive again with each replaced by its retraced form (same signature), so
             every other param (shardings, donation, names, unroll, ...) is kept.
-        thunks: params holding a lazy rule (custom_jvp's JVP, custom_vjp's forward) that returns
-            ``(jaxpr, consts, *rest)``; its jaxpr is retraced when JAX asks for it.
         open: the param holding an open Jaxpr (no consts), rebuilt by ``emit``.
-        emit: ``emit(params, body, invals) -> outs`` re-emits the primitive through its public API
+        derivative: params of a custom derivative rule: first the lazy rule that returns
+            ``(jaxpr, consts, *rest)`` (custom_jvp's JVP, custom_vjp's forward; its jaxpr is
+            retraced when JAX asks for it), then what goes with it (custom_vjp's bwd, out_trees).
+        counts: params giving the sizes of the leading operand groups (consts, carries); the
+            operands after them form the last group.
+        options: ``options(params) -> dict``: the equation's options as keyword arguments of the
+            public function that re-emits it (``lax.scan``, ``jax.checkpoint``, ``jax.shard_map``;
+            jit: its ``name``).
+        emit: ``emit(options, body, invals) -> outs`` re-emits the primitive through its public API
             with ``body``, the walked ``open`` jaxpr, as the function.
     """
 
     closed: tuple[str, ...] = ()
-    thunks: tuple[str, ...] = ()
     open: str | None = None
+    derivative: tuple[str, ...] = ()
+    counts: tuple[str, ...] = ()
+    options: Callable = lambda params: {}
     emit: Callable | None = None
 
 
-def _emit_checkpoint(params, body, invals):
-    return list(jax.checkpoint(body, **checkpoint_kwargs(params))(*invals))
+def _jit_options(params) -> dict:
+    return {"name": params.get("name")}
 
 
-def _emit_shard_map(params, body, invals):
+def _scan_options(params) -> dict:
+    return {"length": params["length"], "reverse": params["reverse"], "unroll": params["unroll"]}
+
+
+def _checkpoint_options(params) -> dict:
+    """``jax.checkpoint`` keyword arguments that rebuild a ``checkpoint`` (remat) equation."""
+    return {"prevent_cse": params.get("prevent_cse", True), "policy": params.get("policy")}
+
+
+def _shard_map_options(params) -> dict:
+    """``jax.shard_map`` keyword arguments that rebuild a ``shard_map`` equation (flat operands)."""
+    return {
+        "mesh": params["mesh"],
+        "in_specs": tuple(params["in_specs"]),
+        "out_specs": tuple(params["out_specs"]),
+        "axis_names": set(params["newly_manual_axes"]),
+        "check_vma": params["check_vma"],
+    }
+
+
+def _emit_checkpoint(options, body, invals):
+    return list(jax.checkpoint(body, **options)(*invals))
+
+
+def _emit_shard_map(options, body, invals):
     # The public shard_map traces the body with the mesh axes bound and the per-shard types.
-    return list(jax.shard_map(lambda *a: tuple(body(*a)), **shard_map_kwargs(params))(*invals))
+    return list(jax.shard_map(lambda *a: tuple(body(*a)), **options)(*invals))
 
 
 HIGHER_ORDER: dict = {
-    jit_p: HigherOrder(closed=("jaxpr",)),
+    jit_p: HigherOrder(closed=("jaxpr",), options=_jit_options),
     closed_call_p: HigherOrder(closed=("call_jaxpr",)),
     cond_p: HigherOrder(closed=("branches",)),
-    while_p: HigherOrder(closed=("cond_jaxpr", "body_jaxpr")),
-    scan_p: HigherOrder(closed=("jaxpr",)),
-    custom_jvp_call_p: HigherOrder(closed=("call_jaxpr",), thunks=("jvp_jaxpr_fun",)),
-    custom_vjp_call_p: HigherOrder(closed=("call_jaxpr",), thunks=("fwd_jaxpr_thunk",)),
-    remat_p: HigherOrder(open="jaxpr", emit=_emit_checkpoint),
+    while_p: HigherOrder(closed=("cond_jaxpr", "body_jaxpr"), counts=("cond_nconsts", "body_nconsts")),
+    scan_p: HigherOrder(closed=("jaxpr",), counts=("num_consts", "num_carry"), options=_scan_options),
+    custom_jvp_call_p: HigherOrder(closed=("call_jaxpr",), derivative=("jvp_jaxpr_fun",), counts=("num_consts",)),
+    custom_vjp_call_p: HigherOrder(
+        closed=("call_jaxpr",), derivative=("fwd_jaxpr_thunk", "bwd", "out_trees"), counts=("num_consts",)
+    ),
+    remat_p: HigherOrder(open="jaxpr", options=_checkpoint_options, emit=_emit_checkpoint),
 }
 if shard_map_p is not None:
-    HIGHER_ORDER[shard_map_p] = HigherOrder(open="jaxpr", emit=_emit_shard_map)
+    HIGHER_ORDER[shard_map_p] = HigherOrder(open="jaxpr", options=_shard_map_options, emit=_emit_shard_map)
+
+
+def jaxprs(eqn) -> tuple:
+    """``eqn``'s sub-jaxprs, one entry per ``closed`` param in order (cond: the tuple of branches),
+    then the ``open`` body as a ClosedJaxpr without consts."""
+    spec = HIGHER_ORDER[eqn.primitive]
+    out = tuple(eqn.params[name] for name in spec.closed)
+    if spec.open is not None:
+        out += (ClosedJaxpr(eqn.params[spec.open], ()),)
+    return out
+
+
+def with_jaxprs(eqn, new) -> dict:
+    """``eqn``'s params with its ``closed`` sub-jaxprs replaced by ``new`` (shaped as :func:`jaxprs`)."""
+    spec = HIGHER_ORDER[eqn.primitive]
+    return {**eqn.params, **dict(zip(spec.closed, new, strict=True))}
+
+
+def derivative_rule(eqn) -> tuple:
+    """The params of ``eqn``'s custom derivative rule, in the order of ``derivative``."""
+    return tuple(eqn.params[name] for name in HIGHER_ORDER[eqn.primitive].derivative)
+
+
+def operand_groups(eqn, invals) -> list[list]:
+    """``invals`` split by the ``counts`` params: ``[consts, ..., rest]`` (while: cond consts, body
+    consts, carries; scan: consts, carries, xs; custom_jvp/vjp: consts, primals)."""
+    groups, start = [], 0
+    for name in HIGHER_ORDER[eqn.primitive].counts:
+        n = eqn.params[name]
+        groups.append(list(invals[start : start + n]))
+        start += n
+    return [*groups, list(invals[start:])]
+
+
+def options(eqn) -> dict:
+    """``eqn``'s options as keyword arguments of its public re-emission (see :class:`HigherOrder`)."""
+    return HIGHER_ORDER[eqn.primitive].options(eqn.params)
 
 
 def sub_jaxprs(eqn) -> list:
     """The sub-jaxprs ``eqn`` evaluates eagerly (ClosedJaxprs or open Jaxprs, as its params hold
     them; lazy derivative rules excluded)."""
-    spec = HIGHER_ORDER.get(eqn.primitive)
-    if spec is None:  # a higher-order primitive this module does not describe
+    if eqn.primitive not in HIGHER_ORDER:  # a higher-order primitive this module does not describe
         return list(jaxprs_in_params(eqn.params))
     out = []
-    for name in spec.closed:
-        value = eqn.params[name]
+    for value in jaxprs(eqn):
         out.extend(value if isinstance(value, (tuple, list)) else [value])
-    if spec.open is not None:
-        out.append(eqn.params[spec.open])
     return out
 
 
@@ -245,15 +312,11 @@ def rebuild(walk: Walk, eqn, invals) -> list:
     """
     spec = HIGHER_ORDER[eqn.primitive]
     if spec.emit is not None:
-        body = interpreted(walk, ClosedJaxpr(eqn.params[spec.open], ()))
-        return spec.emit(eqn.params, body, invals)
-    params = dict(eqn.params)
-    for name in spec.closed:
-        value = params[name]
-        if isinstance(value, (tuple, list)):
-            params[name] = type(value)(retrace(walk, c) for c in value)
-        else:
-            params[name] = retrace(walk, value)
-    for name in spec.thunks:
-        params[name] = _retraced_thunk(walk, params[name])
+        (body,) = jaxprs(eqn)
+        return spec.emit(options(eqn), interpreted(walk, body), invals)
+    walked = lambda j: type(j)(retrace(walk, c) for c in j) if isinstance(j, (tuple, list)) else retrace(walk, j)
+    new = [walked(j) for j in jaxprs(eqn)]
+    params = with_jaxprs(eqn, new)
+    if spec.derivative:
+        params[spec.derivative[0]] = _retraced_thunk(walk, params[spec.derivative[0]])
     return bind_params(eqn.primitive, invals, params)

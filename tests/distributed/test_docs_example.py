@@ -19,6 +19,10 @@ def test_explicit_mesh_example_runs():
     exec(compile(_example("explicit-example"), str(DOC), "exec"), {"__name__": "docs_example"})
 
 
+def test_scalify_of_shard_map_example_runs():
+    exec(compile(_example("scalify-shard-map-example"), str(DOC), "exec"), {"__name__": "docs_example"})
+
+
 def test_set_up_uses_make_mesh_defaults():
     text = DOC.read_text()
     assert 'jax.make_mesh((2, 4), ("d", "m"))' in text
