@@ -144,7 +144,6 @@ def test_scanned_residuals_keep_their_bounds():
     bodies = _loop_bodies(jax.make_jaxpr(fn)(qw, xs))
     backward = [b for b in bodies if _count(b, "transpose") or _count(b, "dot_general")]
     n_reductions = sum(_count(b, "reduce_max") for b in backward)
-    print(n_reductions)
     # The settles of the two non-accumulator carries (h's cotangent and the tanh residual's
     # product), at most one per carried or multiplied value of unknown magnitude: the xs cotangent
     # slices of the loss (sum(hs * hs)'s gradient) are read in once each.
