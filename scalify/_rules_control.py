@@ -391,7 +391,12 @@ def _noted(values, bounds):
     return values
 
 
-@register_rule([while_p], "control", "lax.while_loop over interpreted cond/body; scaled carries per-tensor.")
+@register_rule(
+    [while_p],
+    "control",
+    "lax.while_loop over interpreted cond/body; scaled carries per-tensor: settled each iteration, f32/bf16 "
+    "accumulators (carry + term) on one scale for the loop.",
+)
 def _while(eqn, *args):
     cconsts, bconsts, init = operand_groups(eqn, args)
     cond_j, body_j = jaxprs(eqn)
@@ -414,7 +419,11 @@ def _while(eqn, *args):
     return lax.while_loop(cond, body, init)
 
 
-@register_rule([scan_p], "control", "lax.scan over the interpreted body; scaled carries per-tensor, ys stacked scales.")
+@register_rule(
+    [scan_p],
+    "control",
+    "lax.scan over the interpreted body; scaled carries as in while_loop; ys stacked scales, their data bounds kept.",
+)
 def _scan(eqn, *args):
     consts, init, xs = operand_groups(eqn, args)
     (closed,) = jaxprs(eqn)

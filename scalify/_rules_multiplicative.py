@@ -274,7 +274,8 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
     "operands in a format: ScalifyConfig.contraction's strategy (dequantize / native / scaled_dot: values exact "
     "in bf16 or f32, one GEMM with f32 accumulation, factors constant along K scale the output). Carriers: "
     "dot(data) accumulated in float32, /2^k, rounded once; scales multiplied (grid outer product) * 2^k; settled "
-    "on the measured amax outside [2^-7, 2^7]; a scale varying along a contracted axis: one float32 dot of the "
+    "on the measured amax outside [2^-7, 2^7] (float32 / bf16 with operand bounds known: the plain dot of the data, "
+    "no allowance, no settle); a scale varying along a contracted axis: one float32 dot of the "
     "dequantized operands.",
     raw=True,
 )
