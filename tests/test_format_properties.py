@@ -183,6 +183,33 @@ def test_shapes_dtypes_jit_vmap(name):
     )
 
 
+RANK_SHAPES = [(), (128,), (4, 256), (2, 16, 256), (2, 2, 16, 128), (256, 256)]
+
+
+@pytest.mark.parametrize("name", qf.list_formats(unlisted=True))
+def test_scale_shape_agrees_with_quantize(name):
+    """The block-scale leaf of ``quantize(x)`` has shape ``scale_shape(x.shape)`` for every registered
+    format (unlisted ones too) and every rank its layout accepts, traced, eagerly and under vmap
+    (which adds the mapped axis in front). The tensorwise float8 formats returned ``(1,) * rank``
+    where ``scale_shape`` says ``()``."""
+    fmt = qf.get_format(name)
+    tried = 0
+    for shape in RANK_SHAPES:
+        try:
+            want = fmt.scale_shape(shape)
+            _, scale = jax.eval_shape(fmt.quantize, jax.ShapeDtypeStruct(shape, jnp.float32))
+        except ValueError:  # the layout refuses this shape (test_boundaries checks the message)
+            continue
+        tried += 1
+        assert jax.tree.leaves(scale)[0].shape == want, (shape, jax.tree.leaves(scale)[0].shape, want)
+        _, vscale = jax.eval_shape(jax.vmap(fmt.quantize), jax.ShapeDtypeStruct((3, *shape), jnp.float32))
+        assert jax.tree.leaves(vscale)[0].shape == (3, *want), shape
+    assert tried >= 2, f"{name}: fewer than two shapes fit"
+    shape = valid_shape(fmt)
+    _, scale = fmt.quantize(jnp.asarray(make_input(shape, 4, -3, 3, 0.0)))
+    assert np.shape(jax.tree.leaves(scale)[0]) == fmt.scale_shape(shape)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_equal_formats_do_not_recompile(name):
     fmt = qf.get_format(name)
