@@ -67,7 +67,8 @@ class ReciprocalScaleFloat8(ScaledFormat):
         block = self.block_shape(x.shape)
         r = self.reciprocal_scale(_layout.block_amax(x, block, exact=True))
         data = self.element.encode(x * _layout.expand(r, x.shape, block))
-        return data, r
+        # the block grid keeps the input's rank, (1, ..., 1) per tensor; the layout's scale shape is ()
+        return data, _layout.reshape(r, self.scale_shape(x.shape))
 
     def decode(self, data):
         return self.element.decode(data)

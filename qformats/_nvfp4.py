@@ -158,7 +158,9 @@ class NVFP4Format(ScaledFormat):
         :meth:`_scales`); with a PRNG ``key`` the scaled elements round stochastically instead of
         to nearest."""
         lift, divisor = factors
-        v = (x * _layout.expand(lift, x.shape, block)) / _layout.expand(divisor, x.shape, block)
+        # A true division (div), as torchao's ``data_hp / total_scale``: XLA would multiply by the
+        # reciprocal, which moves a quotient on an exact fp4 rounding tie by one code.
+        v = div(x * _layout.expand(lift, x.shape, block), _layout.expand(divisor, x.shape, block))
         if key is not None:
             v = _FP4.stochastic_round(v, key)
         return self._pack(_FP4.encode(v))

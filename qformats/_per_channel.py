@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _elements, _layout
+from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
 _TINY = np.float32(np.finfo(np.float32).tiny)
@@ -52,11 +53,13 @@ class PerChannelIntFormat(ScaledFormat):
         block = self.block_shape(x.shape)
         amax = _layout.block_amax(x, block)
         finite = amax <= np.finfo(np.float32).max
-        scale = jnp.where(amax == 0, np.float32(1), jnp.maximum(amax / np.float32(self.element.qmax), _TINY))
+        # True divisions (div): XLA would multiply by 1/qmax and by each channel's reciprocal, one
+        # float32 step off the quotient (and, at an exact rounding tie, one code).
+        scale = jnp.where(amax == 0, np.float32(1), jnp.maximum(div(amax, self.element.qmax), _TINY))
         overflows = ~(scale * np.float32(self.element.qmax) <= np.finfo(np.float32).max) & finite
         scale = jnp.where(overflows, jnp.nextafter(scale, np.float32(0)), scale)
         scale = jnp.where(finite, scale, np.float32(np.nan))
-        data = self.element.encode(x / _layout.expand(scale, x.shape, block))
+        data = self.element.encode(div(x, _layout.expand(scale, x.shape, block)))
         return data, scale
 
     def decode(self, data):

@@ -37,7 +37,8 @@ class PerTensorFormat(ScaledFormat):
     * ``"exact"``: ``scale = amax / max_value`` (not rounded), so ``amax`` lands on ``max_value``;
       at least float32's smallest normal, and one float32 step smaller where ``max_value * scale``
       would overflow (an amax within an ulp of ``FLT_MAX``), so no finite input dequantizes to
-      ``inf``.
+      ``inf``. The elements are torchao's: ``sat(x * (max_value / amax))`` (float32 division, then
+      product), ``x * 2**126`` where the scale is clamped.
 
     A zero tensor gets scale 1; a tensor holding NaN or Inf gets a NaN scale.
     """
@@ -70,9 +71,19 @@ class PerTensorFormat(ScaledFormat):
             # max_value * scale may round past FLT_MAX (amax within an ulp of it): one step down.
             overflows = ~(max_value * scale <= np.float32(np.finfo(np.float32).max)) & finite
             scale = jnp.where(overflows, jnp.nextafter(scale, np.float32(0)), scale)
-            data = self.element.encode(x / scale)
+            data = self.element.encode(x * self._reciprocal(amax, ratio))
         scale = jnp.where(finite, scale, np.float32(np.nan))
         return data, scale
+
+    def _reciprocal(self, amax, ratio):
+        """The ``exact`` mode's element multiplier: torchao's ``r = max_value / amax`` (a true float32
+        division), so that ``data = sat(x * r)`` are torchao's codes bit for bit; ``2**126`` where the
+        scale is clamped to ``2**-126`` (``ratio`` below it; ``max_value / amax`` may overflow
+        there) and 1 for a zero tensor. Not ``x / scale``: XLA applies that as ``x * (1 / scale)``,
+        and ``1 / (amax / max_value)`` is not always ``max_value / amax`` (one code off at a tie)."""
+        r = div(self.max_value, jnp.where(amax == 0, np.float32(1), amax))
+        r = jnp.where(ratio < _TINY, np.float32(2.0**126), r)
+        return jnp.where(amax == 0, np.float32(1), r)
 
     def decode(self, data):
         return self.element.decode(data)

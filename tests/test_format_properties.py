@@ -183,6 +183,33 @@ def test_shapes_dtypes_jit_vmap(name):
     )
 
 
+RANK_SHAPES = [(), (128,), (4, 256), (2, 16, 256), (2, 2, 16, 128), (256, 256)]
+
+
+@pytest.mark.parametrize("name", qf.list_formats(unlisted=True))
+def test_scale_shape_agrees_with_quantize(name):
+    """The block-scale leaf of ``quantize(x)`` has shape ``scale_shape(x.shape)`` for every registered
+    format (unlisted ones too) and every rank its layout accepts, traced, eagerly and under vmap
+    (which adds the mapped axis in front). The tensorwise float8 formats returned ``(1,) * rank``
+    where ``scale_shape`` says ``()``."""
+    fmt = qf.get_format(name)
+    tried = 0
+    for shape in RANK_SHAPES:
+        try:
+            want = fmt.scale_shape(shape)
+            _, scale = jax.eval_shape(fmt.quantize, jax.ShapeDtypeStruct(shape, jnp.float32))
+        except ValueError:  # the layout refuses this shape (test_boundaries checks the message)
+            continue
+        tried += 1
+        assert jax.tree.leaves(scale)[0].shape == want, (shape, jax.tree.leaves(scale)[0].shape, want)
+        _, vscale = jax.eval_shape(jax.vmap(fmt.quantize), jax.ShapeDtypeStruct((3, *shape), jnp.float32))
+        assert jax.tree.leaves(vscale)[0].shape == (3, *want), shape
+    assert tried >= 2, f"{name}: fewer than two shapes fit"
+    shape = valid_shape(fmt)
+    _, scale = fmt.quantize(jnp.asarray(make_input(shape, 4, -3, 3, 0.0)))
+    assert np.shape(jax.tree.leaves(scale)[0]) == fmt.scale_shape(shape)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_equal_formats_do_not_recompile(name):
     fmt = qf.get_format(name)
@@ -263,3 +290,32 @@ def test_scale_modes_order():
             assert np.all(amax / 2.0 ** (exps[mode] - 127) <= fmt.max_value)
     assert np.all(exps["floor"] <= exps["even"]) and np.all(exps["even"] <= exps["ceil"])
     assert np.all(exps["ceil"] - exps["floor"] <= 1)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_format_example_zero_and_tiny_groups(jit):
+    """The guide's ``int4_g128`` on an all-zero group, a group of amax 1e-40 (subnormal: XLA reads
+    it as 0) and a group of normal values whose ``amax / 7`` is subnormal, against numpy: the scale
+    is ``max(amax / 7, 2**-126)`` (1 for a zero group), codes ``round_even(x / scale)``. Without
+    the floor the third scale was flushed to 0 and every value came back 0 (x / 0 saturated)."""
+    fmt = qf.get_format("int4_g128")
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    x = np.zeros((384, 2), np.float32)
+    x[128:256, 0] = np.float32(1e-40) * np.linspace(-1, 1, 128, dtype=np.float32)  # amax 1e-40
+    x[256:, 0] = tiny * np.resize(np.float32([0, 1, -1.5, 2.25, -3, 6.5, -6]), 128)  # amax 6.5 * 2**-126
+    x[:, 1] = np.linspace(-2, 2, 384, dtype=np.float32)
+    quantize = jax.jit(fmt.quantize) if jit else fmt.quantize
+    data, scale = quantize(jnp.asarray(x))
+    deq = np.asarray(fmt.dequantize(data, scale))
+    # numpy: a float32 subnormal input reads as 0 on XLA's CPU; every scale here is a power of two
+    # or a ratio checked as float32 division
+    xr = np.where(np.abs(x) < tiny, np.float32(0), x)
+    amax = np.abs(xr).reshape(3, 128, 2).max(1)
+    s_ref = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(7), tiny)).astype(np.float32)
+    s_full = np.repeat(s_ref, 128, axis=0)
+    ref = (np.clip(np.rint(xr / s_full), -7, 7) * s_full).astype(np.float32)
+    assert np.all(np.asarray(scale) >= tiny)
+    assert np.isfinite(deq).all()
+    np.testing.assert_array_equal(deq[:, 0], ref[:, 0])
+    np.testing.assert_array_equal(deq[256:, 0], tiny * np.resize(np.float32([0, 1, -2, 2, -3, 6, -6]), 128))
+    np.testing.assert_allclose(deq[:, 1], ref[:, 1], rtol=0, atol=float(s_ref.max()) / 2 * 1.001)
