@@ -380,7 +380,9 @@ def loop_anchor(x, accumulates: bool):
     (float16, float8) has too little range for that, and a carry the body multiplies is better
     settled: its data bound is then known and its products need no renormalising pass.
     """
-    if not (accumulates and is_scaled(x) and x.fmt is None and measured() and wide(x.data.dtype)) or x.scale.ndim:
+    if not (accumulates and is_scaled(x) and x.fmt is None and measured() and is_float(x.data)) or x.scale.ndim:
+        return None
+    if not wide(x.data.dtype):
         return None
     return recentre(jnp.ones((), F32), x.scale)[1]
 

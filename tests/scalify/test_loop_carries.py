@@ -103,8 +103,9 @@ def test_wide_accumulator_keeps_one_scale_and_tracks_float32():
 
 
 def test_wide_accumulator_out_of_scale_window_is_recentred():
-    """An entry scale of 2^60 is re-centred to 2^32 for the loop (the rest moves into the data):
-    the sum of float32-normal terms near 1 stays exact instead of flushing against the scale."""
+    """An entry scale of 2^60 is re-centred for the loop (its power of two moves into the data, the
+    loop's scale lies in [2^-32, 2^32]): terms near 1 add as in float32 instead of flushing
+    against a 2^60 scale."""
     init = jsa.ScaledArray(jnp.zeros((4,), jnp.float32), jnp.asarray(2.0**60, jnp.float32))
     terms = jnp.asarray(RNG.normal(size=(32, 4)), jnp.float32)
 
