@@ -367,9 +367,9 @@ def recentre(data, scale):
     return lax.mul(data, r.astype(data.dtype)), lax.div(s, r)
 
 
-def loop_anchor(x, accumulates: bool):
-    """The loop-invariant scale of a loop carry ``x`` (a per-tensor value entering the loop), or
-    None for a carry that is settled each iteration (:func:`carried`).
+def loop_entry(x, accumulates: bool):
+    """``(carry, anchor)``: a loop carry ``x`` (a per-tensor value) as it enters the loop, and the
+    scale it keeps for the whole loop (None for a carry that is settled each iteration).
 
     An accumulator (the body returns ``carry + term``, as a gradient accumulated over a scan's
     steps) of a wide carrier (float32, bfloat16 data) needs no amax to stay in range: expressed on
@@ -380,16 +380,18 @@ def loop_anchor(x, accumulates: bool):
     (float16, float8) has too little range for that, and a carry the body multiplies is better
     settled: its data bound is then known and its products need no renormalising pass.
     """
-    if not (accumulates and is_scaled(x) and x.fmt is None and measured() and is_float(x.data)) or x.scale.ndim:
-        return None
-    if not wide(x.data.dtype):
-        return None
-    return recentre(jnp.ones((), F32), x.scale)[1]
+    eligible = accumulates and is_scaled(x) and x.fmt is None and measured() and is_float(x.data)
+    if not eligible or x.scale.ndim or not wide(x.data.dtype):
+        return settle_carried(x), None
+    # The entry re-expressed by recentre's own (data * r, scale / r), not as data * (scale / S):
+    # XLA rewrites s / (s / r) into (s * r) / s, which overflows for an out-of-window s.
+    data, anchor = recentre(x.data, x.scale)
+    return ScaledArray(data, anchor), anchor
 
 
 def carried(x, anchor):
-    """A loop carry entering or leaving an iteration: on the loop's ``anchor`` scale (``data *
-    scale / anchor``, one multiply that XLA fuses into the carry's producer), else settled
+    """A loop carry leaving an iteration: on the loop's ``anchor`` scale (``data * scale /
+    anchor``, one multiply that XLA fuses into the carry's producer), else settled
     (:func:`settle_carried`; its data bound inside the body is then the window's)."""
     if anchor is None:
         return settle_carried(x)

@@ -53,8 +53,8 @@ from scalify._rules_common import (
     carried,
     dequant,
     fold,
-    loop_anchor,
     loop_bound,
+    loop_entry,
     note_bound,
     note_fill,
     static_scalar,
@@ -376,12 +376,11 @@ _ADDS = (lax.add_p, lax.sub_p, add_any_p)
 
 
 def _enter(init, mask, accumulates):
-    """The loop's entry carries and, per carry, its anchor (:func:`loop_anchor`) and data bound
+    """The loop's entry carries and, per carry, its anchor (:func:`loop_entry`) and data bound
     inside the body (:func:`loop_bound`)."""
-    init = [_as_loop_value(c, m) for c, m in zip(init, mask, strict=True)]
-    anchors = [loop_anchor(c, acc) for c, acc in zip(init, accumulates, strict=True)]
-    bounds = [loop_bound(c, a) for c, a in zip(init, anchors, strict=True)]
-    return [carried(c, a) for c, a in zip(init, anchors, strict=True)], anchors, bounds
+    entries = [loop_entry(_as_loop_value(c, m), acc) for c, m, acc in zip(init, mask, accumulates, strict=True)]
+    init, anchors = [c for c, _ in entries], [a for _, a in entries]
+    return init, anchors, [loop_bound(c, a) for c, a in zip(init, anchors, strict=True)]
 
 
 def _noted(values, bounds):
