@@ -198,20 +198,22 @@ def _dequant_dot(eqn, a, b):
 
 
 def _bounded_operands(eqn, a: ScaledArray, b: ScaledArray):
-    """Under the measured policy, a float32 / bfloat16 contraction's operand of unknown data bound
-    (a plain input, a drifted carrier) is renormalised first when it is no larger than the output:
-    one pass over the operand instead of a settling pass over the output, and the output's bound
-    is then static (:func:`_contracted`). The gradient of an RNN's weight, accumulated from
+    """Under the measured policy, a float32 / bfloat16 contraction's operands of unknown data bound
+    (a plain input, a drifted carrier) are renormalised first when together they are smaller than
+    the output: passes over the operands instead of a settling pass over the output, and the
+    output's bound is then static (:func:`_contracted`). The gradient of an RNN's weight, accumulated from
     ``(batch, in)`` slices into an ``(in, out)`` sum, measures the slice, not the sum."""
     out = eqn.outvars[0].aval
     dtype = _carrier(eqn, a, b)
     if not (measured() and jnp.issubdtype(dtype, jnp.floating) and wide(dtype)):
         return a, b
 
+    unknown = [x for x in (a, b) if bound_of(x) is None and jnp.issubdtype(x.data.dtype, jnp.floating)]
+    if sum(x.data.size for x in unknown) >= out.size:
+        return a, b
+
     def bounded(x):
-        if bound_of(x) is not None or not jnp.issubdtype(x.data.dtype, jnp.floating) or x.data.size > out.size:
-            return x
-        return renormalize(x.data.astype(F32), x.scale, x.data.dtype)
+        return renormalize(x.data.astype(F32), x.scale, x.data.dtype) if any(x is u for u in unknown) else x
 
     return bounded(a), bounded(b)
 
