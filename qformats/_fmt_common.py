@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from qformats._layout import explicit_sharding
+
 
 def div(a, b):
     """IEEE ``a / b`` (correctly rounded float32), as numpy and torch compute it.
@@ -20,5 +22,10 @@ def div(a, b):
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
     a = jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, b.shape))
+    sharding = explicit_sharding(a)
+    if sharding is not None:
+        # With explicit sharding the select's predicate and cases must share one sharding: the
+        # divisor is broadcast into the dividend's (a per-channel scale of a sharded weight).
+        b = lax.broadcast_in_dim(b, a.shape, tuple(range(a.ndim - b.ndim, a.ndim)), out_sharding=sharding)
     b = lax.optimization_barrier(jnp.where(a == a, b, b))
     return a / b

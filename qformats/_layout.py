@@ -86,8 +86,8 @@ def reshape(x, shape):
     return jnp.reshape(x, shape, out_sharding=out_sharding)
 
 
-def _explicit_reshape_sharding(x, shape):
-    """The output sharding for :func:`reshape`, or ``None`` when ``x`` has no explicit sharding."""
+def explicit_sharding(x):
+    """The sharding in ``x``'s type when some axis of it is explicitly sharded, else ``None``."""
     typeof = getattr(jax, "typeof", None)
     if typeof is None or not isinstance(x, jax.Array) or not x.size:  # numpy, Python scalars, empty
         return None
@@ -95,6 +95,15 @@ def _explicit_reshape_sharding(x, shape):
     spec = getattr(sharding, "spec", None)
     if spec is None or all(e is None for e in spec):
         return None
+    return sharding
+
+
+def _explicit_reshape_sharding(x, shape):
+    """The output sharding for :func:`reshape`, or ``None`` when ``x`` has no explicit sharding."""
+    sharding = explicit_sharding(x)
+    if sharding is None:
+        return None
+    spec = sharding.spec
     mesh_shape = dict(sharding.mesh.shape)
     in_shape = tuple(x.shape)
     entries = tuple(spec) + (None,) * (len(in_shape) - len(tuple(spec)))
