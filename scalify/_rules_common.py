@@ -324,6 +324,12 @@ def wide(dtype) -> bool:
     return jnp.finfo(dtype).maxexp >= 128
 
 
+def _settles(x) -> bool:
+    """Whether :func:`settle_carried` measures ``x``: a floating carrier (no format) under the
+    measured policy."""
+    return is_scaled(x) and x.fmt is None and measured() and is_float(x.data)
+
+
 def settle_carried(x):
     """A carrier value that leaves the program or a loop iteration, settled on its measured amax.
 
@@ -334,7 +340,7 @@ def settle_carried(x):
     a value already inside it (an explicit ``set_scaling``, jax-scalify's outputs) is unchanged.
     Formatted values (quantized by their format) and plain values pass unchanged.
     """
-    if not is_scaled(x) or x.fmt is not None or not measured() or not jnp.issubdtype(x.data.dtype, jnp.floating):
+    if not _settles(x):
         return x
     # Per block: a factor common to all blocks, taken from the largest (the 2^125 of a ``-1e38``
     # mask fill in an MX block), overflowed the larger block scales to Inf and flushed the other
@@ -380,8 +386,7 @@ def loop_entry(x, accumulates: bool):
     (float16, float8) has too little range for that, and a carry the body multiplies is better
     settled: its data bound is then known and its products need no renormalising pass.
     """
-    eligible = accumulates and is_scaled(x) and x.fmt is None and measured() and is_float(x.data)
-    if not eligible or x.scale.ndim or not wide(x.data.dtype):
+    if not (accumulates and _settles(x)) or x.scale.ndim or not wide(x.data.dtype):
         return settle_carried(x), None
     # The entry re-expressed by recentre's own (data * r, scale / r), not as data * (scale / S):
     # XLA rewrites s / (s / r) into (s * r) / s, which overflows for an out-of-window s.
@@ -400,7 +405,7 @@ def carried(x, anchor):
 
 def loop_bound(x, anchor):
     """The data bound a carry has inside the loop body (see :func:`carried`), or None."""
-    if anchor is None and is_scaled(x) and x.fmt is None and measured() and is_float(x.data):
+    if anchor is None and _settles(x):
         return WINDOW
     return None
 

@@ -360,6 +360,9 @@ def _carry_fixpoint(body, carry):
     return mask
 
 
+_ADDS = (lax.add_p, lax.sub_p, add_any_p)
+
+
 def _accumulators(jaxpr, first_carry: int, n: int) -> list[bool]:
     """Which of the ``n`` carries (body inputs from ``first_carry``, outputs from 0) the body
     returns as ``carry + term`` (an add whose operand is the carry itself)."""
@@ -372,9 +375,6 @@ def _accumulators(jaxpr, first_carry: int, n: int) -> list[bool]:
     return out
 
 
-_ADDS = (lax.add_p, lax.sub_p, add_any_p)
-
-
 def _enter(init, mask, accumulates):
     """The loop's entry carries and, per carry, its anchor (:func:`loop_entry`) and data bound
     inside the body (:func:`loop_bound`)."""
@@ -384,6 +384,7 @@ def _enter(init, mask, accumulates):
 
 
 def _noted(values, bounds):
+    """``values`` with their data bounds recorded (None: unknown), for the evaluation they enter."""
     for v, hi in zip(values, bounds, strict=True):
         if hi is not None:
             note_bound(v, hi)

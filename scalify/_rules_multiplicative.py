@@ -75,20 +75,22 @@ def _binary_f32(eqn, pa, pb, op_scale):
     return q, _grid_of(op_scale(pa.scale, pb.scale), q.ndim)
 
 
+def _renormalized(x):
+    """``x`` renormalised per block (data bound 2), from its float32 data."""
+    return renormalize(x.data.astype(F32), x.scale, x.data.dtype)
+
+
 def _bounded_factors(a, b, limit: float):
     """The factors of a carrier product with known data bounds whose product is at most ``limit``:
     an operand of unknown magnitude is renormalised (bound 2) first; an operand with a known bound
     above 2 only if the product would still exceed ``limit`` (each renormalising is one reduction
     over the operand)."""
-    if bound_of(a) is None:
-        a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
-    if bound_of(b) is None:
-        b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
-    if bound_of(a) * bound_of(b) > limit:
-        if bound_of(a) > 2.0:
-            a = renormalize(a.data.astype(F32), a.scale, a.data.dtype)
-        if bound_of(a) * bound_of(b) > limit and bound_of(b) > 2.0:
-            b = renormalize(b.data.astype(F32), b.scale, b.data.dtype)
+    a = _renormalized(a) if bound_of(a) is None else a
+    b = _renormalized(b) if bound_of(b) is None else b
+    if bound_of(a) * bound_of(b) > limit and bound_of(a) > 2.0:
+        a = _renormalized(a)
+    if bound_of(a) * bound_of(b) > limit and bound_of(b) > 2.0:
+        b = _renormalized(b)
     return a, b
 
 
@@ -208,14 +210,10 @@ def _bounded_operands(eqn, a: ScaledArray, b: ScaledArray):
     if not (measured() and jnp.issubdtype(dtype, jnp.floating) and wide(dtype)):
         return a, b
 
-    unknown = [x for x in (a, b) if bound_of(x) is None and jnp.issubdtype(x.data.dtype, jnp.floating)]
-    if sum(x.data.size for x in unknown) >= out.size:
+    unknown = [bound_of(x) is None and jnp.issubdtype(x.data.dtype, jnp.floating) for x in (a, b)]
+    if sum(x.data.size for x, u in zip((a, b), unknown, strict=True) if u) >= out.size:
         return a, b
-
-    def bounded(x):
-        return renormalize(x.data.astype(F32), x.scale, x.data.dtype) if any(x is u for u in unknown) else x
-
-    return bounded(a), bounded(b)
+    return tuple(_renormalized(x) if u else x for x, u in zip((a, b), unknown, strict=True))
 
 
 # Largest static data bound a float32 / bfloat16 contraction output keeps without measuring:
