@@ -241,7 +241,10 @@ def fold(x: ScaledArray) -> ScaledArray:
     smax = finite_max(x.scale)
     if get_config().rounding_mode != Pow2RoundMode.NONE:
         smax = pow2_round_up(smax)
-    return ScaledArray(rescale(x.data, lax.div(x.scale, smax)), smax)
+    out = ScaledArray(rescale(x.data, lax.div(x.scale, smax)), smax)
+    # Each block's data is multiplied by s / smax <= 1: the data bound stays.
+    hi = bound_of(x)
+    return out if hi is None else note_bound(out, hi)
 
 
 def dequant(x, dtype=F32):
@@ -677,7 +680,3 @@ def isolate_scale(x):
         return ScaledArray(x.data, jax.lax.optimization_barrier(x.scale), fmt=x.fmt, dtype=x._dtype)
     return x
 
-
-def full_resolution(x: ScaledArray) -> ScaledArray:
-    """Carrier whose scale has the data's shape (block 1 everywhere)."""
-    return ScaledArray(x.data, jnp.broadcast_to(expand_scale(x.scale, x.data.shape), x.data.shape))

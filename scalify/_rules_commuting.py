@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, lax_primitive, p
+from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
     align,
     dequant,
     fold,
-    full_resolution,
     per_tensor,
     renormalize,
     structural,
 )
-from scalify._scaled_array import ScaledArray, expand_scale
+from scalify._scaled_array import ScaledArray, expand_scale, normalize_scale
 
 
 def _data_only(eqn, x, *rest):
@@ -84,18 +84,88 @@ def _gather_like(eqn, x, *rest):
     """Data-dependent data movement: per-tensor scale kept, block scales gathered alongside."""
     if not isinstance(x, ScaledArray):
         raise TypeError(f"{eqn.primitive.name}: scaled indices are not supported; pass plain integer indices.")
-    if per_tensor(x):
+    scaled_fill = _scaled_fill(eqn)
+    if per_tensor(x) and not scaled_fill:
         return _data_only(eqn, x, *rest)
-    full = full_resolution(x)
     (data,) = bind_eqn(eqn, [x.data, *rest])
-    (scale,) = bind_eqn(eqn, [full.scale, *rest])
-    return ScaledArray(data, scale)
+    scale = normalize_scale(x.scale, x.data.shape)
+    moved = None if scaled_fill or eqn.primitive is not p.gather_p else _gathered_scale(eqn, scale, x.data.shape, rest)
+    if moved is None:
+        moved = _sliced_scale(eqn, scale, x.data.shape, rest)
+    return ScaledArray(data, moved)
+
+
+def _scaled_fill(eqn) -> bool:
+    """Whether out-of-bounds entries of a filling gather would be wrong on the operand's scale:
+    the data is filled with the fill value, so the value is ``fill * scale`` unless the fill is
+    0, +-inf or NaN (the default), which any positive scale leaves as they are."""
+    if eqn.primitive is not p.gather_p or lax.GatherScatterMode.from_any(eqn.params["mode"]) != (
+        lax.GatherScatterMode.FILL_OR_DROP
+    ):
+        return False
+    fill = eqn.params["fill_value"]
+    return fill is not None and bool(np.isfinite(fill)) and fill != 0
+
+
+def _at_resolution(scale, shape, axes):
+    """``scale`` expanded to one entry per element along ``axes`` (its blocks kept elsewhere)."""
+    for a in axes:
+        if scale.shape[a] != shape[a]:
+            scale = jnp.repeat(scale, shape[a] // scale.shape[a], axis=a)
+    return scale
+
+
+def _gathered_scale(eqn, scale, shape, rest):
+    """The block grid of ``gather(x)``, at the resolution the gather needs and no finer.
+
+    An indexed operand axis along which the scale is constant (a per-channel table gathered by
+    row) keeps size 1 and its index component becomes 0: when every indexed axis is such, the
+    output grid has size 1 along the index batch axes (the gathered rows of a per-column scale
+    share its (1, d) grid instead of a full-size one). Other indexed axes are expanded to one
+    scale per element; a slice along a free axis keeps its blocks when it spans whole blocks.
+    Out-of-bounds entries get scale 1 (a fill of -inf stays -inf). None: batched gathers (taken at
+    full resolution by :func:`_sliced_scale`'s fallback).
+    """
+    (indices,) = rest
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    if dn.operand_batching_dims:
+        return None
+    indexed = set(dn.start_index_map)
+    constant = all(scale.shape[a] == 1 for a in indexed)
+    ragged = [a for a in range(len(shape)) if a not in indexed and sizes[a] % (shape[a] // scale.shape[a])]
+    scale = _at_resolution(scale, shape, ragged if constant else sorted(indexed) + ragged)
+    new_sizes = tuple(
+        1 if a in indexed and constant else sizes[a] // (shape[a] // scale.shape[a]) for a in range(len(shape))
+    )
+    if constant:
+        # The scale does not depend on the indices: one all-zero index per output, batch axes of size 1.
+        indices = jnp.zeros((1,) * (indices.ndim - 1) + indices.shape[-1:], indices.dtype)
+    (out,) = bind_eqn_with(eqn, [scale, indices], slice_sizes=new_sizes, fill_value=1.0)
+    return out
+
+
+def _sliced_scale(eqn, scale, shape, rest):
+    """The block grid of ``dynamic_slice(x)`` (or of a batched or filling gather): axes along which
+    the scale is constant keep size 1 (start 0, size 1), the others are taken at one scale per
+    element. A gather's out-of-bounds entries get scale 1, so a filled value is the fill value."""
+    if eqn.primitive is p.dynamic_slice_p and len(rest) == len(shape):
+        varying = [a for a in range(len(shape)) if scale.shape[a] != 1]
+        scale = _at_resolution(scale, shape, varying)
+        starts = [i if a in varying else jnp.zeros_like(i) for a, i in enumerate(rest)]
+        sizes = tuple(n if a in varying else 1 for a, n in enumerate(eqn.params["slice_sizes"]))
+        return lax.dynamic_slice(scale, starts, sizes)
+    full = jnp.broadcast_to(expand_scale(scale, shape), shape)
+    params = {"fill_value": 1.0} if "fill_value" in eqn.params else {}
+    (out,) = bind_eqn_with(eqn, [full, *rest], **params)
+    return out
 
 
 register_rule(
     [p.gather_p, p.dynamic_slice_p],
     "commuting",
-    "per-tensor: data gathered, scale kept; block scales: gathered with the data at full resolution.",
+    "per-tensor: data gathered, scale kept; block scales: gathered with the data, at one scale per element only "
+    "along indexed axes the scale varies on (a per-channel table's rows keep its (1, d) grid); out-of-bounds "
+    "fills get scale 1.",
 )(_gather_like)
 
 

@@ -12,7 +12,11 @@ Contractions with an operand in a ``qformats`` format run one of the strategies 
   on the contracted axis of a backward pass): both operands are dequantized to float32 (exact:
   element times power-of-two or E4M3 scale), contracted by one float32 ``dot_general`` and
   re-quantized per-tensor (``ScalifyConfig.dot_output_format`` re-quantizes into a format instead).
-  Nothing of size K/block times the output is materialised.
+  Nothing of size K/block times the output is materialised. Float32 and bfloat16 carriers fold such
+  a scale to per-tensor instead (exact in float32's range), which keeps the data bound, so the
+  contraction is the plain GEMM of the data with nothing measured after it;
+* float32 and bfloat16 carriers whose scales both vary along free axes fold the one with fewer
+  scales: the output keeps one operand's grid, not their outer product (a scale per element).
 """
 
 from __future__ import annotations
@@ -275,8 +279,9 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
     "in bf16 or f32, one GEMM with f32 accumulation, factors constant along K scale the output). Carriers: "
     "dot(data) accumulated in float32, /2^k, rounded once; scales multiplied (grid outer product) * 2^k; settled "
     "on the measured amax outside [2^-7, 2^7] (float32 / bf16 with operand bounds known: the plain dot of the data, "
-    "no allowance, no settle); a scale varying along a contracted axis: one float32 dot of the "
-    "dequantized operands.",
+    "no allowance, no settle); float32 / bf16 carriers fold a scale varying along a contracted axis, and the "
+    "operand with fewer free scales when both vary along free axes, to per-tensor first; narrower carriers with a "
+    "scale varying along a contracted axis: one float32 dot of the dequantized operands.",
     raw=True,
 )
 def _dot_general_rule(eqn, a, b):
@@ -298,10 +303,39 @@ def _as_carrier(x):
     return to_carrier(x) if isinstance(x, ScaledArray) else x
 
 
+def _folded_grids(eqn, a: ScaledArray, b: ScaledArray):
+    """The operands of a float32 / bfloat16 carrier contraction with the block grids it cannot
+    factor out of the sum folded to per-tensor (data times ``s / max s``: exact in float32 above its
+    subnormals, and the data bound stays). Narrow carriers keep them (:func:`_dequant_dot`).
+
+    * A scale that varies along a contracted axis (activations that kept an MX embedding's blocks,
+      the batch axes of a weight gradient) cannot leave the sum: folded, the contraction is still
+      the plain GEMM of the data, its output scale a product of the factors and its data bound
+      known, where dequantizing both operands would lose the bound and measure the output.
+    * Two scales that both vary along free axes (per-channel activations times a per-channel
+      weight, and their weight gradient) would give the output one scale per element (their outer
+      product), which every consumer would then align, measure and carry like data: the operand
+      with the fewer free scales is folded, the output keeps the other's grid.
+    """
+    dtype = _carrier(eqn, a, b)
+    if not (jnp.issubdtype(dtype, jnp.floating) and wide(dtype)):
+        return a, b
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    a = fold(a) if any(jnp.ndim(a.scale) and a.scale.shape[i] != 1 for i in lc) else a
+    b = fold(b) if any(jnp.ndim(b.scale) and b.scale.shape[j] != 1 for j in rc) else b
+    if per_tensor(a) or per_tensor(b):
+        return a, b
+    free_a = math.prod(n for i, n in enumerate(a.scale.shape) if i not in (*lc, *lb))
+    free_b = math.prod(n for i, n in enumerate(b.scale.shape) if i not in (*rc, *rb))
+    if free_a == 1 or free_b == 1:
+        return a, b
+    return (fold(a), b) if free_a <= free_b else (a, fold(b))
+
+
 def _dot_general(eqn, a, b):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     a, b = promote(a, zero_adopts=False), promote(b, zero_adopts=False)
-    a, b = _bounded_operands(eqn, a, b)
+    a, b = _bounded_operands(eqn, *_folded_grids(eqn, a, b))
     out_dtype = eqn.outvars[0].aval.dtype
     k = math.prod(a.data.shape[i] for i in lc)
     r = sqrt_rescale(k)
