@@ -679,4 +679,3 @@ def isolate_scale(x):
     if isinstance(x, ScaledArray) and is_tracer(x.scale):
         return ScaledArray(x.data, jax.lax.optimization_barrier(x.scale), fmt=x.fmt, dtype=x._dtype)
     return x
-
