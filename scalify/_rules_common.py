@@ -416,19 +416,28 @@ def loop_bound(x, anchor):
 def block_amax(v, grid_shape):
     """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid.
 
-    One plain float reduction over the finite elements. Unlike :func:`qformats.block_amax` it need
+    A float reduction over the finite elements: ``max(|v|)`` in one pass, and only where that is
+    not finite ``max(where(isfinite(v), |v|, 0))``. Unlike :func:`qformats.block_amax` it need
     not propagate NaN: the result only picks a power of two to move into the scale, and a NaN or
     Inf element stays NaN / Inf in the data. Leaving them out matters: an Inf amax (one overflowed
     element) would keep the other elements' data unnormalised, so that a float16 carrier's
     ``y * y`` overflowed in every row, not only in the row of the Inf. (qformats needs the NaN-exact
     reduction because a NaN must reach the encoded scale; that costs a second pass and a conditional.)
     """
-    v = finite_or_zero(jnp.abs(jnp.asarray(v, F32)))
+    v = jnp.asarray(v, F32)
     if v.size == 0:
         return jnp.ones(grid_shape, F32)
     if not grid_shape or v.ndim == 0:
-        return jnp.max(v)
-    return qf.block_reduce(v, block_of(grid_shape, v.shape), jnp.max)
+        reduce = jnp.max
+    else:
+        reduce = functools.partial(qf.block_reduce, block=block_of(grid_shape, v.shape), reducer=jnp.max)
+    # The plain max fuses with |v| into one pass; masking the non-finite elements first costs two
+    # more (XLA on CPU keeps the select out of the reduction), so the mask is applied only when the
+    # plain max is not finite. Equal either way: a finite plain max saw no Inf, and a float max
+    # that skips a NaN returns what the masked one does.
+    fast = reduce(jnp.abs(v))
+    masked = lambda v: reduce(finite_or_zero(jnp.abs(v)))
+    return lax.cond(jnp.all(lax.is_finite(fast)), lambda v: fast, masked, v)
 
 
 def requant_blocks(v, grid_shape, dtype) -> ScaledArray:
@@ -455,6 +464,18 @@ def rescale(data, ratio, dtype=None):
     """
     dtype = data.dtype if dtype is None else dtype
     return cast(lax.mul(cast(data, F32), expand_scale(ratio, data.shape)), dtype)
+
+
+def _outer_grid(ps, grid_shape) -> bool:
+    """Whether wide carriers' grids combine into one larger than each of them (a per-row grid
+    plus a per-column one: one scale per element). All but the largest are then folded to
+    per-tensor (exact in float32 above its subnormals), so the output keeps a grid no larger than
+    an operand's instead of one that every later rule would align and carry like data. Narrow
+    carriers keep the outer grid: a fold could flush their small blocks."""
+    grids = [p for p in ps if not _is_marker(p.scale) and jnp.ndim(p.scale) > 0]
+    if len(grids) < 2 or math.prod(grid_shape) <= max(math.prod(jnp.shape(p.scale)) for p in grids):
+        return False
+    return all(is_float(p.data) and wide(p.data.dtype) for p in grids)
 
 
 def _grid_shapes_compatible(xs):
@@ -562,6 +583,10 @@ def align(xs, combine=combine_max, *, dtype=None, finite=False):
     if grid_shape is None:
         ps = [p if _is_marker(p.scale) else fold(p) for p in ps]
         grid_shape = ()
+    elif _outer_grid(ps, grid_shape):
+        keep = max((p for p in ps if not _is_marker(p.scale)), key=lambda p: math.prod(jnp.shape(p.scale)))
+        ps = [p if p is keep or _is_marker(p.scale) else fold(p) for p in ps]
+        grid_shape = _grid_shapes_compatible(ps)
     live = [p for p in ps if not _is_marker(p.scale)]
     floor = max([p.scale.floor for p in ps if isinstance(p.scale, _Static)], default=0.0)
     if len(live) == 1 and not floor and not (finite and len(ps) > 1):
