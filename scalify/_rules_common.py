@@ -595,10 +595,7 @@ def align(xs, combine=combine_max, *, dtype=None, finite=False):
     ps = [_adopting(x, dtype) if adopt else promote(x) for x in xs]
     # Rank-0 operands (scalar literals) with a 0-d scale broadcast against any grid.
     grid_shape = _grid_shapes_compatible(ps)
-    if grid_shape is None:
-        ps = [p if _is_marker(p.scale) else fold(p) for p in ps]
-        grid_shape = ()
-    elif _wide_live(ps) and _per_tensor_meets_grid(ps):
+    if grid_shape is None or (_wide_live(ps) and _per_tensor_meets_grid(ps)):
         ps = [p if _is_marker(p.scale) else fold(p) for p in ps]
         grid_shape = ()
     elif _outer_grid(ps, grid_shape):
