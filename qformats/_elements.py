@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from qformats import _bits
+from qformats import _bits, _random
 from qformats._bits import F32_ABS_MASK, F32_BIAS, F32_EXP_MASK, F32_MANT_BITS, bits_f32, f32_bits
 
 
@@ -104,7 +104,7 @@ class FloatElement:
         e = jnp.maximum(_bits.floor_log2(a), self.emin) - self.mbits
         q = _bits.mul_pow2(a, -e)
         low = jnp.floor(q)
-        u = jax.random.uniform(key, v.shape, jnp.float32)
+        u = _random.uniform(key, v.shape)
         r = _bits.mul_pow2(low + (u < q - low).astype(jnp.float32), e)
         r = jnp.minimum(r, np.float32(self.max_value))
         return jnp.where(jnp.isnan(v), v, jnp.copysign(r, v))
@@ -235,7 +235,7 @@ class IntElement:
         the remainder. NaN stays NaN (and then encodes to 0, as in :meth:`encode`)."""
         q = jnp.clip(jnp.asarray(v, jnp.float32) * np.float32(1.0 / self.step), -self.qmax, self.qmax)
         low = jnp.floor(q)
-        u = jax.random.uniform(key, q.shape, jnp.float32)
+        u = _random.uniform(key, q.shape)
         return (low + (u < q - low).astype(jnp.float32)) * np.float32(self.step)
 
     def encode(self, v, *, nan_free: bool = False):

@@ -89,6 +89,16 @@ class ScaledFormat(abc.ABC):
             f"(qformats.NVFP4, the MX formats) or round to nearest."
         )
 
+    def fake_quantize(self, x, key=None):
+        """``dequantize(*quantize(x))`` as float32: the values an emulated low-precision GEMM reads.
+
+        With a PRNG ``key``, the round trip of :meth:`quantize_stochastic` instead. Formats may
+        compute it without forming the stored data (no packing, one element loop); the result must
+        equal the round trip bit for bit. The default is the round trip itself.
+        """
+        data, scale = self.quantize(x) if key is None else self.quantize_stochastic(x, key)
+        return self.dequantize(data, scale, jnp.float32)
+
     def factored(self, data, scale):
         """``dequantize(data, scale)`` as ``(values, factor)`` with ``values * factor`` its value.
 

@@ -196,6 +196,18 @@ class MXFormat(ScaledFormat):
             v = self.element.stochastic_round(v, key)
         return self.element.encode(v), byte
 
+    def _amax(self, x, block, fast_amax=None, nan=None):
+        """The block maxima, with the scales of the exact block max (see :meth:`_encode_fast`): the
+        NaN-blind float reduction where it gives them, else the exact integer one."""
+        if fast_amax is None:
+            fast_amax = _layout.fast_block_max(x, block)
+            if fast_amax is None:
+                return _layout.block_amax(x, block, exact=True)
+        need_exact = _layout.has_nan(x) if nan is None else nan
+        if self.scale_mode in ("ceil", "even"):
+            need_exact = need_exact | jnp.any(fast_amax < np.float32(np.finfo(np.float32).tiny))
+        return lax.cond(need_exact, lambda x, a: _layout.block_amax(x, block, exact=True), lambda x, a: a, x, fast_amax)
+
     def _encode_fast(self, x, block, fast_amax):
         """:meth:`_encode`, with the block max from the NaN-blind float reduction where possible.
 
@@ -213,10 +225,7 @@ class MXFormat(ScaledFormat):
         being re-derived inside the element loop.
         """
         nan = _layout.has_nan(x)
-        need_exact = nan
-        if self.scale_mode in ("ceil", "even"):
-            need_exact = need_exact | jnp.any(fast_amax < np.float32(np.finfo(np.float32).tiny))
-        amax = lax.cond(need_exact, lambda x, a: _layout.block_amax(x, block, exact=True), lambda x, a: a, x, fast_amax)
+        amax = self._amax(x, block, fast_amax, nan)
         e, byte = self._scale(amax)
         inv_head, inv_tail = _bits.pow2_split(-e)
         # fp4 pairs are packed inside the element loop; fp6 codes leave the cond unpacked, so
@@ -244,7 +253,22 @@ class MXFormat(ScaledFormat):
         return e8m0_to_f32(lax.bitcast_convert_type(scale, jnp.uint8))
 
     def dequantize(self, data, scale, dtype=jnp.float32):
-        """``decode(data) * 2**(byte - 127)``, applied without a subnormal multiplier.
+        """``decode(data) * 2**(byte - 127)``, applied without a subnormal multiplier (see :meth:`_scaled`)."""
+        if self._packs:
+            data = _packing.unpack(data, self.element.bits, self.axis % data.ndim)
+        return self._scaled(data, lax.bitcast_convert_type(scale, jnp.uint8), dtype)
+
+    def fake_quantize(self, x, key=None):
+        """``dequantize(*quantize(x))`` (with ``key``: of :meth:`quantize_stochastic`) in one element
+        loop: the codes are decoded where they are made, never packed or written out."""
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        codes, byte = self._encode(x, block, self._amax(x, block), key=key)
+        return self._scaled(codes, byte)
+
+    def _scaled(self, codes, byte, dtype=jnp.float32):
+        """Values of unpacked element ``codes`` under the E8M0 scale bytes ``byte``.
 
         Integer elements ``code * step`` (``step`` a power of two, MXINT8's ``2**-6``) are applied
         as ``code * 2**(byte - 127 + log2(step))``: XLA folds a constant ``step`` into the block
@@ -252,13 +276,11 @@ class MXFormat(ScaledFormat):
         """
         step = getattr(self.element, "step", None) if not hasattr(self.element, "mbits") else None
         if step is not None and math.log2(step).is_integer():
-            if self._packs:
-                data = _packing.unpack(data, self.element.bits, self.axis % data.ndim)
-            elems, shift = data.astype(jnp.float32), int(math.log2(step))
+            elems, shift = codes.astype(jnp.float32), int(math.log2(step))
         else:
-            elems, shift = self.decode(data), 0
+            elems, shift = self.element.decode(codes), 0
         block = self.block_shape(elems.shape)
-        b = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+        b = byte.astype(jnp.int32)
         if shift:
             head, tail = _bits.pow2_split_wide(jnp.minimum(b, E8M0_NAN - 1) - 127 + shift)
         else:

@@ -157,21 +157,38 @@ class NVFP4Format(ScaledFormat):
         """Element data (packed if ``self.packed``) for per-block factors ``(lift, divisor)`` (see
         :meth:`_scales`); with a PRNG ``key`` the scaled elements round stochastically instead of
         to nearest."""
+        return self._pack(self._codes(x, block, factors, key))
+
+    def _codes(self, x, block, factors, key=None):
+        """Unpacked fp4 codes of :meth:`_encode`."""
         lift, divisor = factors
         # A true division (div), as torchao's ``data_hp / total_scale``: XLA would multiply by the
         # reciprocal, which moves a quotient on an exact fp4 rounding tie by one code.
         v = div(x * _layout.expand(lift, x.shape, block), _layout.expand(divisor, x.shape, block))
         if key is not None:
             v = _FP4.stochastic_round(v, key)
-        return self._pack(_FP4.encode(v))
+        return _FP4.encode(v)
+
+    def fake_quantize(self, x, key=None):
+        """``dequantize(*quantize(x))`` (with ``key``: of :meth:`quantize_stochastic`) in one element
+        loop: the codes are decoded where they are made, never packed or written out."""
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        amax = _layout.block_amax(x, block)
+        code, tensor, factors = self._scales(amax, x)
+        elems = _FP4.decode(self._codes(x, block, factors, key))
+        return self._scaled(elems, tensor, code.astype(jnp.float32))
 
     def dequantize(self, data, scale, dtype=jnp.float32):
-        """``decode(data) * (tensor * block)``; where that product is below float32's smallest normal
-        (which XLA on CPU flushes), ``(decode(data) * block) * tensor`` instead."""
-        elems = self.decode(data)
+        """``decode(data) * (tensor * block)`` (see :meth:`_scaled`)."""
+        return self._scaled(self.decode(data), scale.tensor, scale.block.astype(jnp.float32), dtype)
+
+    def _scaled(self, elems, tensor, block_value, dtype=jnp.float32):
+        """``elems * (tensor * block_value)``; where that product is below float32's smallest normal
+        (which XLA on CPU flushes), ``(elems * block_value) * tensor`` instead."""
         grid = self.block_shape(elems.shape)
-        tensor = jnp.asarray(scale.tensor, jnp.float32)
-        block_value = scale.block.astype(jnp.float32)
+        tensor = jnp.asarray(tensor, jnp.float32)
         total = tensor * block_value
         sub = total < _F32_TINY
         head = jnp.where(sub, block_value, total)

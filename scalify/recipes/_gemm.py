@@ -94,11 +94,8 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim):
     if fmt is None or not aim.contracted:
         return x32
     fmt = fmt.aim(aim.contracted[-1], aim.free[-1] if aim.free else None)
-    if role in recipe.stochastic_rounding:
-        data, scale = fmt.quantize_stochastic(x32, _content_key(recipe.seed, ROLES.index(role), x32))
-    else:
-        data, scale = fmt.quantize(x32)
-    return fmt.dequantize(data, scale, _F32)
+    key = _content_key(recipe.seed, ROLES.index(role), x32) if role in recipe.stochastic_rounding else None
+    return fmt.fake_quantize(x32, key)
 
 
 class Contraction(NamedTuple):
