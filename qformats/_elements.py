@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import attrs
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -95,7 +94,8 @@ class FloatElement:
         With ``a = min(|v|, max_value)`` and ``ulp = 2**(max(floor(log2 a), emin) - mbits)`` the
         grid spacing at ``a``, ``q = a / ulp`` is exact (a power-of-two scaling), and ``a`` rounds
         to ``floor(q) * ulp`` or ``(floor(q) + 1) * ulp`` with probabilities that make the result
-        unbiased: up when a uniform ``u`` in ``[0, 1)`` is below ``q - floor(q)``. Values on the grid
+        unbiased: up when a uniform ``u`` in ``[0, 1)`` (24 random bits, :mod:`qformats._random`)
+        is below ``q - floor(q)``. Values on the grid
         (and 0, and the saturated maximum) are unchanged; NaN stays NaN. :meth:`encode` of the
         result is then exact.
         """

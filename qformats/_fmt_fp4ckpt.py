@@ -166,12 +166,11 @@ class MXFP4CheckpointFormat(MXFormat):
         f = _bits.bits_f32(jnp.where(b == 0, 0x00400000, b << _bits.F32_MANT_BITS))
         return jnp.where(b == 255, np.float32(np.inf), f)
 
-    def dequantize(self, data, scale, dtype=jnp.float32):
-        """``decode(data) * 2**(e - 127)`` (255 -> inf), applied without a subnormal multiplier."""
-        elems = self.decode(data)
+    def _scaled(self, codes, byte, dtype=jnp.float32):
+        """``decode(codes) * 2**(e - 127)`` (255 -> inf), applied without a subnormal multiplier."""
+        elems = self.element.decode(codes)
         block = self.block_shape(elems.shape)
-        s = jnp.asarray(scale)
-        b = (lax.bitcast_convert_type(s, jnp.uint8) if s.dtype == jnp.float8_e8m0fnu else s).astype(jnp.int32)
+        b = byte.astype(jnp.int32)
         head, tail = _bits.pow2_split(jnp.minimum(b, 254) - 127)
         head = jnp.where(b == 255, np.float32(np.inf), head)
         out = elems * _layout.expand(head, elems.shape, block) * _layout.expand(tail, elems.shape, block)
