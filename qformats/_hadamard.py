@@ -12,6 +12,7 @@ from __future__ import annotations
 import attrs
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from qformats import _layout
 
@@ -33,13 +34,22 @@ class RandomHadamard:
     size: int = 16
     seed: int = 0
 
+    def _signs(self) -> np.ndarray:
+        """The random sign vector ``s`` (entries +-1) drawn from ``seed``."""
+        return np.where(np.random.default_rng(self.seed).random(self.size) < 0.5, -1.0, 1.0)
+
     def matrix(self) -> np.ndarray:
         """``H = sylvester(size) @ diag(signs) / sqrt(size)`` as float32 (orthogonal)."""
-        signs = np.where(np.random.default_rng(self.seed).random(self.size) < 0.5, -1.0, 1.0)
-        return (sylvester(self.size) * signs[None, :] / np.sqrt(self.size)).astype(np.float32)
+        return (sylvester(self.size) * self._signs()[None, :] / np.sqrt(self.size)).astype(np.float32)
 
     def apply(self, x, axis: int):
-        """``x`` with every block of ``size`` consecutive elements along ``axis`` multiplied by ``H``."""
+        """``x`` with every block of ``size`` consecutive elements along ``axis`` multiplied by ``H``.
+
+        A contraction of the ``(..., n / size, size, ...)`` view with ``H`` laid out so that its result
+        is already in that view's order: along the last axis ``blocks @ H^T``; along another axis a
+        dot batched over the leading axes and the block index, with ``H`` broadcast to each batch
+        (a ``tensordot`` would put the transformed axis last and need a transpose of the result).
+        """
         x = jnp.asarray(x)
         a = _layout.normalize_axis(axis, x.ndim, f"The {self.size}x{self.size} Hadamard transform")
         n = x.shape[a]
@@ -48,7 +58,14 @@ class RandomHadamard:
                 f"the {self.size}x{self.size} Hadamard transform acts on blocks of {self.size} along axis {a}, "
                 f"but that axis has length {n}; pad it to a multiple of {self.size} or turn the transform off."
             )
-        blocks = _layout.reshape(x, (*x.shape[:a], n // self.size, self.size, *x.shape[a + 1 :]))
+        lead = (*x.shape[:a], n // self.size)
+        blocks = _layout.reshape(x, (*lead, self.size, *x.shape[a + 1 :]))
         h = jnp.asarray(self.matrix(), x.dtype)
-        out = jnp.moveaxis(jnp.tensordot(blocks, h, axes=([a + 1], [1])), -1, a + 1)
+        hi = lax.Precision.HIGHEST
+        if a == x.ndim - 1:
+            out = lax.dot_general(blocks, h, (((blocks.ndim - 1,), (1,)), ((), ())), precision=hi)
+        else:
+            batch = tuple(range(len(lead)))
+            hb = jnp.broadcast_to(h, (*lead, self.size, self.size))
+            out = lax.dot_general(hb, blocks, (((len(lead) + 1,), (len(lead),)), (batch, batch)), precision=hi)
         return _layout.reshape(out, x.shape)

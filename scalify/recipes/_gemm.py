@@ -76,16 +76,16 @@ def conv_aims(params, lhs_ndim: int, rhs_ndim: int) -> dict[str, _Aim]:
     }
 
 
-def _content_key(seed: int, role_index: int, x):
-    """A PRNG key for stochastic rounding, from the recipe's seed, the role and ``x``'s bits."""
-    # A wrapping int32 sum of the bit patterns: changes whenever the operand does (fold_in hashes it).
-    digest = jnp.sum(lax.bitcast_convert_type(x.astype(_F32), jnp.int32), dtype=jnp.int32)
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), role_index), digest)
+def digest(x):
+    """A wrapping int32 sum of ``x``'s float32 bit patterns: changes whenever ``x`` does."""
+    return jnp.sum(lax.bitcast_convert_type(x.astype(_F32), jnp.int32), dtype=jnp.int32)
 
 
-def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim):
+def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None):
     """``x`` through the role's format aimed at its GEMM's contracted axis, dequantized to float32.
 
+    A stochastically rounded role draws its bits from a key made of the recipe's seed, the role
+    and ``source_digest`` (:func:`digest` of the data ``x`` is computed from; default ``x``).
     High-precision roles, and operands of a GEMM that sums over nothing (an outer product), are
     returned as float32 unchanged.
     """
@@ -94,7 +94,10 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim):
     if fmt is None or not aim.contracted:
         return x32
     fmt = fmt.aim(aim.contracted[-1], aim.free[-1] if aim.free else None)
-    key = _content_key(recipe.seed, ROLES.index(role), x32) if role in recipe.stochastic_rounding else None
+    key = None
+    if role in recipe.stochastic_rounding:
+        d = digest(x32) if source_digest is None else source_digest
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(recipe.seed), ROLES.index(role)), d)
     return fmt.fake_quantize(x32, key)
 
 
@@ -138,9 +141,11 @@ def _bwd(recipe, op, out_dtype, res, g):
     x, w = res
     aims = op.aims(x.ndim, w.ndim)
     g32 = g.astype(_F32)
+    # Both gradient GEMMs' keys hash dy once (the weight gradient's operand is a function of it).
+    g_digest = digest(g32) if recipe.stochastic_rounding & {"dgrad_lhs", "wgrad_lhs"} else None
 
     # input gradient: dx = f(., w)^T dy
-    gq = quantize_operand(recipe, "dgrad_lhs", g32, aims["dgrad_lhs"])
+    gq = quantize_operand(recipe, "dgrad_lhs", g32, aims["dgrad_lhs"], g_digest)
     wq = quantize_operand(recipe, "dgrad_rhs", w, aims["dgrad_rhs"])
     (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq), jax.ShapeDtypeStruct(x.shape, _F32))(gq)
 
@@ -150,7 +155,7 @@ def _bwd(recipe, op, out_dtype, res, g):
     if hadamard is not None and aims["wgrad_lhs"].contracted:
         gw = hadamard.apply(gw, aims["wgrad_lhs"].contracted[-1])
         xw = hadamard.apply(xw, aims["wgrad_rhs"].contracted[-1])
-    gq = quantize_operand(recipe, "wgrad_lhs", gw, aims["wgrad_lhs"])
+    gq = quantize_operand(recipe, "wgrad_lhs", gw, aims["wgrad_lhs"], g_digest)
     xq = quantize_operand(recipe, "wgrad_rhs", xw, aims["wgrad_rhs"])
     (dw,) = jax.linear_transpose(lambda b: op.emulated(xq, b), jax.ShapeDtypeStruct(w.shape, _F32))(gq)
     return dx.astype(x.dtype), dw.astype(w.dtype)
