@@ -161,3 +161,24 @@ def test_random_bits_of_more_than_2_to_the_32_elements_trace():
     only: such an array does not fit this machine)."""
     out = jax.eval_shape(lambda k: _random.random_bits(k, (2**17 + 1, 2**15)), jax.random.key(0))
     assert out.shape == (2**17 + 1, 2**15) and out.dtype == jnp.uint32
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters (cond, jit, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("fmt", [qf.NVFP4, qf.MXFP4, qf.MXFP8], ids=lambda f: f.name)
+def test_stochastic_rounding_runs_no_data_sized_prng(fmt):
+    """The PRNG (threefry) draws two words per array; the per-element bits are the in-loop hash."""
+    x = jnp.zeros((256, 512), jnp.float32)
+    jaxpr = jax.make_jaxpr(fmt.fake_quantize)(x, jax.random.key(0)).jaxpr
+    prng = [e for e in _eqns(jaxpr) if "threefry" in e.primitive.name or "random_bits" in e.primitive.name]
+    assert prng, "expected the two key words to be drawn with jax.random"
+    assert max(np.prod(v.aval.shape) for e in prng for v in e.outvars) <= 2

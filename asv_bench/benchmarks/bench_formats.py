@@ -77,6 +77,32 @@ class Ratio(_FormatShape):
         return interleaved_ratio(self.dequantize, self.q, self.ref, (self.x,), self.repeats_inner)
 
 
+class FakeQuantize(_FormatShape):
+    """``fmt.fake_quantize(x)`` (what recipes and amp feed their GEMMs) against the round trip
+    ``dequantize(*quantize(x))`` it equals, and against ``x * 2``; both jitted, interleaved."""
+
+    params = Ratio.params
+    unit = "ratio"
+    repeats_inner = 15
+
+    def setup(self, fmt_name, shape):
+        import jax
+
+        super().setup(fmt_name, shape)
+        fmt = self.fmt
+        self.fake = jax.jit(fmt.fake_quantize)
+        self.round_trip = jax.jit(lambda x: fmt.dequantize(*fmt.quantize(x)))
+        self.ref = times_two()
+        for f in (self.fake, self.round_trip, self.ref):
+            block(f(self.x))
+
+    def track_fake_quantize_over_round_trip(self, fmt_name, shape):
+        return interleaved_ratio(self.fake, (self.x,), self.round_trip, (self.x,), self.repeats_inner)
+
+    def track_fake_quantize_ratio(self, fmt_name, shape):
+        return interleaved_ratio(self.fake, (self.x,), self.ref, (self.x,), self.repeats_inner)
+
+
 class Storage:
     """Bits per element of ``data`` plus scales (from ``fmt.nbytes``); no timing."""
 
