@@ -82,6 +82,6 @@ class GPTBlockRecipeStep:
         block(self.recipe(*self.args))
 
     def track_step_ratio(self, name):
-        return interleaved_ratio(self.recipe, self.args, self.plain, self.args, 5)
+        return interleaved_ratio(self.recipe, self.args, self.plain, self.args, 9)
 
     track_step_ratio.unit = "ratio"

@@ -81,6 +81,29 @@ def digest(x):
     return jnp.sum(lax.bitcast_convert_type(x.astype(_F32), jnp.int32), dtype=jnp.int32)
 
 
+def _aimed(recipe: Recipe, role: str, aim: _Aim):
+    """The role's format aimed at its GEMM's axes; ``None`` for a high-precision role or a GEMM
+    that sums over nothing (an outer product)."""
+    fmt = recipe.format_of(role)
+    if fmt is None or not aim.contracted:
+        return None
+    return fmt.aim(aim.contracted[-1], aim.free[-1] if aim.free else None)
+
+
+def _quantizes_alike(recipe: Recipe, roles, aims, shape) -> bool:
+    """Whether two roles quantize an operand of ``shape`` to the same values, so one result serves
+    both: neither rounds stochastically, and their aimed formats differ at most in their axis
+    fields while giving the same blocks (a block format's values depend on its partition into
+    blocks, not on which axis names it: NVFP4's 16x16 weight tiles in the forward and input-gradient
+    GEMMs)."""
+    if set(roles) & recipe.stochastic_rounding:
+        return False
+    f, g = (_aimed(recipe, r, aims[r]) for r in roles)
+    if f is None or g is None or type(f) is not type(g) or f.block_shape(shape) != g.block_shape(shape):
+        return False
+    return f.replace(**{n: getattr(g, n) for n in f.axis_fields}) == g
+
+
 def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None):
     """``x`` through the role's format aimed at its GEMM's contracted axis, dequantized to float32.
 
@@ -89,11 +112,10 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
     High-precision roles, and operands of a GEMM that sums over nothing (an outer product), are
     returned as float32 unchanged.
     """
-    fmt = recipe.format_of(role)
+    fmt = _aimed(recipe, role, aim)
     x32 = x.astype(_F32)
-    if fmt is None or not aim.contracted:
+    if fmt is None:
         return x32
-    fmt = fmt.aim(aim.contracted[-1], aim.free[-1] if aim.free else None)
     key = None
     if role in recipe.stochastic_rounding:
         d = digest(x32) if source_digest is None else source_digest
@@ -123,22 +145,26 @@ def _forward(recipe, op, out_dtype, x, w):
     aims = op.aims(x.ndim, w.ndim)
     xq = quantize_operand(recipe, "fwd_lhs", x, aims["fwd_lhs"])
     wq = quantize_operand(recipe, "fwd_rhs", w, aims["fwd_rhs"])
-    return op.emulated(xq, wq).astype(out_dtype)
+    return op.emulated(xq, wq).astype(out_dtype), wq
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def recipe_contraction(recipe: Recipe, op: Contraction, out_dtype, x, w):
     """``op(x, w)`` with every GEMM of its value and its gradients under ``recipe``."""
-    return _forward(recipe, op, out_dtype, x, w)
+    return _forward(recipe, op, out_dtype, x, w)[0]
 
 
 def _fwd(recipe, op, out_dtype, x, w):
-    return _forward(recipe, op, out_dtype, x, w), (x, w)
+    y, wq = _forward(recipe, op, out_dtype, x, w)
+    # The forward's quantized weight is kept for the input gradient when that GEMM would
+    # quantize the weight to the same values (a weight-sized residual instead of a second quantize).
+    alike = _quantizes_alike(recipe, ("fwd_rhs", "dgrad_rhs"), op.aims(x.ndim, w.ndim), w.shape)
+    return y, (x, w, wq if alike else None)
 
 
 def _bwd(recipe, op, out_dtype, res, g):
     del out_dtype
-    x, w = res
+    x, w, wq_fwd = res
     aims = op.aims(x.ndim, w.ndim)
     g32 = g.astype(_F32)
     # Both gradient GEMMs' keys hash dy once (the weight gradient's operand is a function of it).
@@ -146,7 +172,7 @@ def _bwd(recipe, op, out_dtype, res, g):
 
     # input gradient: dx = f(., w)^T dy
     gq = quantize_operand(recipe, "dgrad_lhs", g32, aims["dgrad_lhs"], g_digest)
-    wq = quantize_operand(recipe, "dgrad_rhs", w, aims["dgrad_rhs"])
+    wq = quantize_operand(recipe, "dgrad_rhs", w, aims["dgrad_rhs"]) if wq_fwd is None else wq_fwd
     (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq), jax.ShapeDtypeStruct(x.shape, _F32))(gq)
 
     # weight gradient: dw = f(x, .)^T dy, both operands optionally rotated along the summed M axis

@@ -263,6 +263,35 @@ def test_tiled_weight_quantizes_alike_in_both_gemms():
     np.testing.assert_array_equal(fwd, dgrad)
 
 
+@pytest.mark.parametrize(
+    ("name", "alike"),
+    [("nvfp4", True), ("float8_tensorwise", True), ("mxfp8", False), ("float8_rowwise", False)],
+)
+def test_weight_quantized_once_where_both_gemms_quantize_it_alike(name, alike, monkeypatch):
+    """The forward's quantized weight serves the input gradient where the two roles give the same
+    values (16x16 tiles, one tensor scale): the gradients equal those of quantizing twice, bit for
+    bit, and the backward pass runs one weight quantization fewer."""
+    from scalify.recipes import _gemm
+
+    r = recipes.BUILTINS[name]
+    aims = dot_aims({"dimension_numbers": (((1,), (0,)), ((), ()))}, 2, 2)
+    assert _gemm._quantizes_alike(r, ("fwd_rhs", "dgrad_rhs"), aims, (64, 128)) is alike
+    calls = []
+    real = _gemm.quantize_operand
+
+    def counted(r, role, *args, **kwargs):
+        calls.append(role)
+        return real(r, role, *args, **kwargs)
+
+    monkeypatch.setattr(_gemm, "quantize_operand", counted)
+    once = jax.grad(recipes.apply(_mlp_loss, r))(PARAMS, X)
+    assert calls.count("dgrad_rhs") == (0 if alike else 2)  # two layers
+    monkeypatch.setattr(_gemm, "_quantizes_alike", lambda *a: False)
+    twice = jax.grad(recipes.apply(_mlp_loss, r))(PARAMS, X)
+    for k in PARAMS:
+        np.testing.assert_array_equal(once[k], twice[k])
+
+
 def test_hadamard_is_orthogonal_and_matches_numpy():
     h = qf.RandomHadamard(16, seed=3)
     m = h.matrix()
