@@ -162,6 +162,12 @@ def _fwd(recipe, op, out_dtype, x, w):
     return y, (x, w, wq if alike else None)
 
 
+def _like(x):
+    """A float32 stand-in for ``x`` to transpose at, with ``x``'s sharding (part of its type on an
+    explicit mesh, where the transposed GEMM's cotangent must carry it)."""
+    return jax.ShapeDtypeStruct(x.shape, _F32, sharding=jax.typeof(x).sharding)
+
+
 def _bwd(recipe, op, out_dtype, res, g):
     del out_dtype
     x, w, wq_fwd = res
@@ -173,7 +179,7 @@ def _bwd(recipe, op, out_dtype, res, g):
     # input gradient: dx = f(., w)^T dy
     gq = quantize_operand(recipe, "dgrad_lhs", g32, aims["dgrad_lhs"], g_digest)
     wq = quantize_operand(recipe, "dgrad_rhs", w, aims["dgrad_rhs"]) if wq_fwd is None else wq_fwd
-    (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq), jax.ShapeDtypeStruct(x.shape, _F32))(gq)
+    (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq), _like(x))(gq)
 
     # weight gradient: dw = f(x, .)^T dy, both operands optionally rotated along the summed M axis
     gw, xw = g32, x.astype(_F32)
@@ -183,7 +189,7 @@ def _bwd(recipe, op, out_dtype, res, g):
         xw = hadamard.apply(xw, aims["wgrad_rhs"].contracted[-1])
     gq = quantize_operand(recipe, "wgrad_lhs", gw, aims["wgrad_lhs"], g_digest)
     xq = quantize_operand(recipe, "wgrad_rhs", xw, aims["wgrad_rhs"])
-    (dw,) = jax.linear_transpose(lambda b: op.emulated(xq, b), jax.ShapeDtypeStruct(w.shape, _F32))(gq)
+    (dw,) = jax.linear_transpose(lambda b: op.emulated(xq, b), _like(w))(gq)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -131,3 +131,26 @@ def test_device_put_of_partition_specs():
         assert jsa.device_put(sa, P("d")).scale.sharding.is_equivalent_to(NamedSharding(mesh, P("d")), 2)
     with pytest.raises(ValueError, match=r"no mesh to place them on: pass mesh="):
         jsa.device_put(sa, P("d"))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "float8_rowwise", "nvfp4"])
+def test_recipe_gradients_on_an_explicit_mesh(name):
+    """``recipes.apply`` under ``jax.grad`` with a sharded batch and column-sharded weight: the
+    backward GEMMs are transposed at their operands' shardings (it raised "cotangent type does not
+    match" before), and the gradients are the unsharded program's. NVFP4 without stochastic
+    rounding: its key hashes ``dy``, whose last bits depend on how XLA splits the work."""
+    from scalify import recipes
+
+    recipe = recipes.BUILTINS[name]
+    if recipe.stochastic_rounding:
+        recipe = recipe.replace(stochastic_rounding=())
+    mesh = mesh_2x4()
+    x, w = jnp.asarray(_x((64, 128), 1)), jnp.asarray(_x((128, 256), 2) / 64)
+    grad = jax.jit(jax.grad(recipes.apply(lambda x, w: jnp.sum(jnp.tanh(x @ w)), recipe), argnums=(0, 1)))
+    want = grad(x, w)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        got = grad(xs, jax.device_put(w, NamedSharding(mesh, P(None, "m"))))
+    assert got[1].sharding.spec == P(None, "m")
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
