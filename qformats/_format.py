@@ -106,10 +106,12 @@ class ScaledFormat(abc.ABC):
         dtype itself where it does, as for per-tensor FP8 data; bfloat16 for elements of 8
         significant bits or fewer times power-of-two or E4M3 block scales); ``factor`` is a float32
         scalar or a rank-matched scale grid. A contraction feeds ``values`` to the GEMM and applies
-        a factor that is constant along the contracted axes to its output. The default is exact
-        for every format: float32 dequantized values and factor 1.
+        a factor that is constant along the contracted axes to its output; a factor known when the
+        program is traced (1 where the values carry the whole scale) is best given as a NumPy
+        array, so that the contraction's output scale is static and costs no pass over the output.
+        The default is exact for every format: float32 dequantized values and factor 1.
         """
-        return self.dequantize(data, scale), jnp.ones((), jnp.float32)
+        return self.dequantize(data, scale), np.ones((), np.float32)
 
     def block_scaled(self, data, scale):
         """``(elements, block_scales, factor)`` in the operand types of

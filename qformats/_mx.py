@@ -291,7 +291,7 @@ class MXFormat(ScaledFormat):
 
     def factored(self, data, scale):
         """Dequantized values, exact in bfloat16 (element times a power of two), factor 1."""
-        return self.dequantize(data, scale, self.element.exact_dtype), jnp.ones((), jnp.float32)
+        return self.dequantize(data, scale, self.element.exact_dtype), np.ones((), np.float32)
 
     def block_scaled(self, data, scale):
         """FP8 (E4M3, E5M2) and FP4 elements with their E8M0 block scales; FP6 and INT8 have no
@@ -300,7 +300,7 @@ class MXFormat(ScaledFormat):
         if dtype is None or scale.dtype != jnp.float8_e8m0fnu:  # E8M0 scales with NaN at 255 only
             return None
         elements = data if data.dtype == dtype else self.decode(data).astype(dtype)
-        return elements, scale, jnp.ones((), jnp.float32)
+        return elements, scale, np.ones((), np.float32)
 
     def data_shape(self, shape):
         return _packing.packed_shape(shape, self.element.bits, self.axis) if self._packs else tuple(shape)

@@ -70,17 +70,33 @@ def _has_block_scaled_gemm() -> bool:
 
 
 def _factored(x):
-    """``(values, factor)`` of an operand, the factor a scalar or a grid rank-matched to values."""
+    """``(values, factor)`` of an operand, the factor a scalar or a grid rank-matched to values
+    (a factor the format gives as a NumPy constant stays one: see :func:`_times`)."""
     if formatted(x):
         values, factor = x.fmt.factored(x.data, x.scale)
+        if isinstance(factor, np.ndarray):
+            return values, normalize_scale(factor.astype(np.float32), values.shape)
         return values, normalize_scale(cast(factor, F32), values.shape)
     x = promote(x, zero_adopts=False)
     return x.data, normalize_scale(cast(x.scale, F32), x.data.shape)
 
 
+_ONE = np.ones((), np.float32)
+
+
 def _fold(values, factor):
     """``(values * factor, 1)`` in float32: the factor multiplied into the values."""
-    return lax.mul(cast(values, F32), expand_scale(factor, values.shape)), jnp.ones((), F32)
+    return lax.mul(cast(values, F32), expand_scale(factor, values.shape)), _ONE
+
+
+def _times(fa, fb):
+    """The product of two scalar factors, a NumPy constant when both are (factor 1, the common
+    case): the output scale is then known at trace time, so neither :func:`_finish` nor the
+    user's ``to_array`` adds a pass over the output (a traced scale of 1 is sealed from XLA's
+    constant folding by :func:`~scalify._rules_common.isolate_scale`)."""
+    if isinstance(fa, np.ndarray) and isinstance(fb, np.ndarray):
+        return np.asarray(np.multiply(fa, fb, dtype=np.float32))
+    return lax.mul(fa, fb)
 
 
 def _fold_contracted(values, factor, contracted):
@@ -201,7 +217,7 @@ def _output_scale(eqn, fa, fb):
     """The output's scale: the factors' product laid out as the output (a scalar, or the grid
     ``dot_general`` of the factor grids, which have size 1 on every contracted axis)."""
     if fa.ndim == 0 and fb.ndim == 0:
-        return lax.mul(fa, fb)
+        return _times(fa, fb)
     return lax.dot_general_p.bind(fa, fb, **dict(eqn.params, preferred_element_type=_F32_DTYPE))
 
 
@@ -245,7 +261,7 @@ def _scaled_dot(eqn, a, b):
         default=_composed_scaled_matmul,
     )
     shape = eqn.outvars[0].aval.shape
-    return out.reshape(shape), lax.mul(fa, fb)
+    return out.reshape(shape), _times(fa, fb)
 
 
 def _composed_scaled_matmul(a, b, a_scales, b_scales):
@@ -292,4 +308,4 @@ def conv(eqn, lhs, rhs, how: str) -> ScaledArray:
         vb, fb = _fold(vb, fb)
     va, vb = _feed(va, vb, "native" if how == "native" else "dequantize")
     (acc,) = bind_eqn_with(eqn, [va, vb], **_gemm_params(va))
-    return _finish(acc, lax.mul(fa, fb), eqn.outvars[0].aval.dtype)
+    return _finish(acc, _times(fa, fb), eqn.outvars[0].aval.dtype)

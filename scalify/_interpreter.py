@@ -20,6 +20,7 @@ from scalify._jax_compat import bind_eqn, bind_params, is_tracer, logical_aval, 
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import (
     bound_of,
+    decoded,
     fill_scope,
     is_float,
     isolate_scale,
@@ -30,7 +31,7 @@ from scalify._rules_common import (
     static_operand,
     static_scalar,
 )
-from scalify._scaled_array import ScaledArray, is_scaled_leaf, to_carrier
+from scalify._scaled_array import ScaledArray, is_scaled_leaf
 
 _ALWAYS_CACHE: dict[int, tuple[object, bool]] = {}
 
@@ -108,13 +109,6 @@ def _maybe_keep_format(rule, invals, outs):
         else:
             res.append(o)
     return res
-
-
-def _carrier(x: ScaledArray) -> ScaledArray:
-    """``to_carrier(x)``; decoded format elements are below 2 (the element max over its power of
-    two moved into the scale), a bound the rules use to skip renormalising passes."""
-    c = to_carrier(x)
-    return c if x.fmt is None else note_bound(c, 2.0)
 
 
 def _carry_bound(args, outs):
@@ -214,7 +208,7 @@ class _Scalify(_walk.Walk):
         rule = RULES.get(eqn.primitive)
         if rule is None:
             raise unsupported(eqn, invals)
-        args = invals if rule.raw else [_carrier(x) if isinstance(x, ScaledArray) else x for x in invals]
+        args = invals if rule.raw else [decoded(x) if isinstance(x, ScaledArray) else x for x in invals]
         outs = rule.fn(eqn, *args)
         if not eqn.primitive.multiple_results:
             outs = [outs]

@@ -19,8 +19,8 @@ from jax import lax
 import qformats as qf
 from scalify._config import Pow2RoundMode, get_config
 from scalify._jax_compat import bind_eqn, explicit_sharding, is_tracer
-from scalify._pow2 import pow2_ceil_np, pow2_round, pow2_round_down, pow2_round_np, pow2_round_up
-from scalify._scaled_array import ScaledArray, block_of, cast, expand_scale
+from scalify._pow2 import pow2_ceil_np, pow2_floor_np, pow2_round, pow2_round_down, pow2_round_np, pow2_round_up
+from scalify._scaled_array import ScaledArray, block_of, cast, expand_scale, to_carrier
 
 F32 = jnp.float32
 
@@ -369,6 +369,13 @@ def recentre(data, scale):
     reduction is needed (the scale alone shows the drift). A wide carrier's data then holds
     ``value / scale`` within float32's range for every ``|value|`` in ``[2^-94, 2^96]``.
     """
+    if isinstance(scale, np.ndarray):  # known at trace time: so is r, and r = 1 adds no multiply
+        s = scale.astype(np.float32)
+        m = s.max() if s.ndim else s
+        if (1 / SCALE_WINDOW <= m <= SCALE_WINDOW) or not (np.isfinite(m) and m > 0):
+            return data, s
+        r = pow2_floor_np(m)
+        return lax.mul(data, np.asarray(r, data.dtype)), (s / np.float32(r)).astype(np.float32)
     s = cast(scale, F32)
     m = jnp.max(s) if s.ndim else s
     inside = ((m >= np.float32(1 / SCALE_WINDOW)) & (m <= np.float32(SCALE_WINDOW))) | ~(lax.is_finite(m) & (m > 0))
@@ -683,6 +690,27 @@ def _grid_scale(x_scale, new_ids):
     if np.array_equal(g.reshape(-1), np.arange(x_scale.size)):
         return x_scale.reshape(g.shape)
     return jnp.take(x_scale.reshape(-1), jnp.asarray(g))
+
+
+def decoded(x: ScaledArray) -> ScaledArray:
+    """``to_carrier(x)``; decoded format elements are below 2 (the element max over its power of
+    two moved into the scale), a bound the rules use to skip renormalising passes."""
+    c = to_carrier(x)
+    return c if x.fmt is None else note_bound(c, 2.0)
+
+
+def moves_as_stored(x: ScaledArray, out_shapes) -> bool:
+    """Whether a data-movement op can act on the stored codes of the formatted ``x``: its format has
+    one scale for the whole tensor and one code per element, before and after (``out_shapes``), so
+    the codes move exactly as the values do and the result stays in the format (per-tensor FP8
+    into an FP8 GEMM, say, through the ``w.T`` of a linear layer)."""
+    fmt, shape = x.fmt, tuple(x.data.shape)
+    try:
+        return all(
+            tuple(fmt.scale_shape(s)) == () and tuple(fmt.value_shape(s)) == s for s in [shape, *map(tuple, out_shapes)]
+        )
+    except (ValueError, IndexError):
+        return False
 
 
 def structural(eqn, x: ScaledArray, *rest):

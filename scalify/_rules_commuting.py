@@ -17,8 +17,10 @@ from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
     align,
+    decoded,
     dequant,
     fold,
+    moves_as_stored,
     per_tensor,
     renormalize,
     structural,
@@ -45,12 +47,22 @@ def _stop_gradient(eqn, x):
     return ScaledArray(lax.stop_gradient(x.data), lax.stop_gradient(x.scale))
 
 
-register_rule(
+@register_rule(
     [p.reshape_p, p.transpose_p, p.broadcast_in_dim_p, p.squeeze_p, p.slice_p, p.rev_p]
     + [q for q in (lax_primitive("tile"), lax_primitive("split"), lax_primitive("unstack")) if q is not None],
     "commuting",
-    "data moved; block scales moved with the same op (layout inferred statically, any block layout).",
-)(structural)
+    "data moved; block scales moved with the same op (layout inferred statically, any block layout); "
+    "per-tensor formats keep their codes and format.",
+    raw=True,
+)
+def _move(eqn, x, *rest):
+    if x.fmt is None:
+        return structural(eqn, x, *rest)
+    if moves_as_stored(x, [v.aval.shape for v in eqn.outvars]):
+        datas = bind_eqn(eqn, [x.data, *rest])
+        outs = [ScaledArray(d, x.scale, fmt=x.fmt, dtype=x.dtype) for d in datas]
+        return outs if eqn.primitive.multiple_results else outs[0]
+    return structural(eqn, decoded(x), *rest)
 
 
 @register_rule(

@@ -21,6 +21,9 @@ the run goes on to the next one):
    call, or a ``dot`` with ``f8e4m3fn`` operands, e.g. inside a Triton GEMM fusion)?
 3. **MXFP8 matmul**: activations ``qformats.MXFP8``, weights ``MXFP8.replace(axis=0)`` (both blocked
    along K), under ``contraction="dequantize"``, ``"auto"`` and ``"scaled_dot"``, ratio to bfloat16.
+   The scaled variants of sections 2-3 run under the default ``renormalize="amax"`` (the output
+   leaving the program is settled on its measured amax: a reduction and a rescale of the output)
+   and, marked ``static``, under ``renormalize="static"`` (no settle).
 4. **quantize kernels**: ``jax.jit(fmt.quantize)`` and ``jax.jit(fmt.dequantize)`` of every format
    in ``qformats.list_formats()`` on an ``n x n`` float32 array, as a ratio to ``x * 2`` under jit
    on the same array (interleaved medians), with the bandwidth of ``x * 2`` (8 bytes per element).
@@ -124,16 +127,16 @@ class Bench:
 
         return self.cached("bf16_dot", make)
 
-    def reference(self, key, A, B):
-        """float32 ``A.to_array() @ B.to_array()`` at ``Precision.HIGHEST`` (one per operand pair)."""
+    def reference(self, key, A, B, rhs_transposed=False):
+        """float32 ``A.to_array() @ B.to_array()`` (``@ B.to_array().T`` for an (N, K) rhs) at
+        ``Precision.HIGHEST`` (one per operand pair)."""
 
         def make():
-            f = jax.jit(
-                lambda x, y: jnp.matmul(
-                    x.to_array(jnp.float32), y.to_array(jnp.float32), precision=jax.lax.Precision.HIGHEST
-                )
-            )
-            return jax.block_until_ready(f(A, B))
+            def ref(x, y):
+                y = y.to_array(jnp.float32)
+                return jnp.matmul(x.to_array(jnp.float32), y.T if rhs_transposed else y, precision="highest")
+
+            return jax.block_until_ready(jax.jit(ref)(A, B))
 
         return self.cached(("ref", key), make)
 
@@ -211,14 +214,19 @@ def f8_emitted(sigs: list) -> bool:
 
 
 def scalify_config(contraction: str):
-    """``(ScalifyConfig(contraction=...), note)``; the default config and a note where unsupported.
-    ``"native+fast"`` is ``native`` with ``fast_accumulation=True``."""
+    """``(ScalifyConfig(...), note)`` for a spec ``"STRATEGY[+fast][+static]"``; the default config and
+    a note where the checkout does not know an option. ``+fast`` sets ``fast_accumulation=True``,
+    ``+static`` sets ``renormalize="static"`` (no measured settle of the outputs)."""
+    strategy, *flags = contraction.split("+")
+    kwargs = {"contraction": strategy}
+    if "fast" in flags:
+        kwargs["fast_accumulation"] = True
+    if "static" in flags:
+        kwargs["renormalize"] = "static"
     try:
-        if contraction == "native+fast":
-            return scalify.ScalifyConfig(contraction="native", fast_accumulation=True), None
-        return scalify.ScalifyConfig(contraction=contraction), None
-    except TypeError as e:
-        return scalify.ScalifyConfig(), f"ScalifyConfig(contraction=...) unsupported ({e}): default config used"
+        return scalify.ScalifyConfig(**kwargs), None
+    except (TypeError, ValueError) as e:
+        return scalify.ScalifyConfig(), f"ScalifyConfig({kwargs}) unsupported ({e}): default config used"
 
 
 # HLO ------------------------------------------------------------------------------------------------
@@ -328,10 +336,10 @@ def section_environment(bench: Bench) -> dict:
     return env
 
 
-def _time_matmuls(bench: Bench, variants: dict, pair_key, A, B, flops: float) -> list:
+def _time_matmuls(bench: Bench, variants: dict, pair_key, A, B, flops: float, rhs_transposed=False) -> list:
     """Compile, check and time the scaled ``variants`` (name -> (contraction, fn)) against bf16."""
     bf16, bf16_args = bench.bf16_dot()
-    ref = bench.reference(pair_key, A, B)
+    ref = bench.reference(pair_key, A, B, rhs_transposed)
     ref_max = float(jnp.max(jnp.abs(ref)))
     base = f"bf16 dot_general ({pair_key} section)"
     rows, calls = [], {base: (bf16, bf16_args)}
@@ -393,6 +401,12 @@ def _scaled_matmul(x, y):
     return scalify.scalify(jnp.matmul)(x, y).to_array()
 
 
+def _scaled_matmul_nt(x, w):
+    """``x @ w.T`` with ``w`` stored (N, K), a linear layer's weight: the layout cuBLASLt's FP8
+    GEMM takes without a transpose."""
+    return scalify.scalify(lambda a, b: a @ b.T)(x, w).to_array()
+
+
 def need_packages():
     if IMPORT_ERROR:
         last = IMPORT_ERROR.strip().splitlines()[-1]
@@ -408,17 +422,25 @@ def section_fp8_matmul(bench: Bench) -> dict:
         scaled = {
             "fp8_e4m3 scaled (native)": ("native", _scaled_matmul),
             "fp8_e4m3 scaled (native, fast accumulation)": ("native+fast", _scaled_matmul),
+            "fp8_e4m3 scaled (native, static)": ("native+static", _scaled_matmul),
+            "fp8_e4m3 scaled (native, fast accumulation, static)": ("native+fast+static", _scaled_matmul),
         }
         if bench.variants is not None:
             scaled = {k: v for k, v in scaled.items() if re.search(bench.variants, k)}
-        if not scaled:
-            raise LookupError("skipped: --variants given")
         need_packages()
         A = scalify.as_scaled_array(a, fmt=qf.FP8_E4M3)
         B = scalify.as_scaled_array(b, fmt=qf.FP8_E4M3)
-        rows = _time_matmuls(bench, scaled, "fp8", A, B, flops)
-    except LookupError:
-        pass
+        rows = _time_matmuls(bench, scaled, "fp8", A, B, flops) if scaled else []
+        nt = {
+            "fp8_e4m3 scaled NT (native)": ("native", _scaled_matmul_nt),
+            "fp8_e4m3 scaled NT (native, static)": ("native+static", _scaled_matmul_nt),
+            "fp8_e4m3 scaled NT (native, fast accumulation, static)": ("native+fast+static", _scaled_matmul_nt),
+        }
+        if bench.variants is not None:
+            nt = {k: v for k, v in nt.items() if re.search(bench.variants, k)}
+        if nt:
+            Bt = scalify.as_scaled_array(b.T, fmt=qf.FP8_E4M3)
+            rows += _time_matmuls(bench, nt, "fp8nt", A, Bt, flops, rhs_transposed=True)
     except Exception as e:  # the scaled operands or the reference failed: still time the raw GEMM
         rows = [{"variant": "fp8_e4m3 scaled (native)", "contraction": "native", "error": f"{type(e).__name__}: {e}"}]
         log(f"  fp8_e4m3 scaled (native): FAILED ({rows[0]['error'][:300]})")
@@ -521,8 +543,12 @@ def section_mxfp8_matmul(bench: Bench) -> dict:
     a, b = bench.gaussians()
     A = scalify.as_scaled_array(a, fmt=qf.MXFP8)
     B = scalify.as_scaled_array(b, fmt=qf.MXFP8.replace(axis=0))
-    variants = {f"mxfp8 scaled ({c})": (c, _scaled_matmul) for c in ("dequantize", "auto", "scaled_dot")}
-    return {"n": bench.n, "rows": _time_matmuls(bench, variants, "mxfp8", A, B, 2.0 * bench.n**3)}
+    specs = ("dequantize", "dequantize+static", "auto", "scaled_dot")
+    variants = {f"mxfp8 scaled ({c.replace('+', ', ')})": (c, _scaled_matmul) for c in specs}
+    if bench.variants is not None:
+        variants = {k: v for k, v in variants.items() if re.search(bench.variants, k)}
+    rows = _time_matmuls(bench, variants, "mxfp8", A, B, 2.0 * bench.n**3) if variants else []
+    return {"n": bench.n, "rows": rows}
 
 
 def section_quantize(bench: Bench) -> dict:
@@ -686,7 +712,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=None, help="matrix size (default 8192, 256 with --small)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 15, 3 with --small)")
     p.add_argument("--budget", type=float, default=270.0, help="seconds after which remaining work is skipped")
-    p.add_argument("--variants", default=None, help="regex: run only the raw FP8 variants it matches")
+    p.add_argument("--variants", default=None, help="regex: run only the matmul variants it matches")
     p.add_argument("--only", default="", help=f"comma-separated sections among {', '.join(SECTIONS)}")
     args = p.parse_args(argv)
     bench = Bench(args)
