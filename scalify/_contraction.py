@@ -74,9 +74,8 @@ def _factored(x):
     (a factor the format gives as a NumPy constant stays one: see :func:`_times`)."""
     if formatted(x):
         values, factor = x.fmt.factored(x.data, x.scale)
-        if isinstance(factor, np.ndarray):
-            return values, normalize_scale(factor.astype(np.float32), values.shape)
-        return values, normalize_scale(cast(factor, F32), values.shape)
+        factor = factor.astype(np.float32) if isinstance(factor, np.ndarray) else cast(factor, F32)
+        return values, normalize_scale(factor, values.shape)
     x = promote(x, zero_adopts=False)
     return x.data, normalize_scale(cast(x.scale, F32), x.data.shape)
 

@@ -19,7 +19,7 @@ from jax import lax
 import qformats as qf
 from scalify._config import Pow2RoundMode, get_config
 from scalify._jax_compat import bind_eqn, explicit_sharding, is_tracer
-from scalify._pow2 import pow2_ceil_np, pow2_floor_np, pow2_round, pow2_round_down, pow2_round_np, pow2_round_up
+from scalify._pow2 import pow2_ceil_np, pow2_round, pow2_round_down, pow2_round_np, pow2_round_up
 from scalify._scaled_array import ScaledArray, block_of, cast, expand_scale, to_carrier
 
 F32 = jnp.float32
@@ -369,13 +369,8 @@ def recentre(data, scale):
     reduction is needed (the scale alone shows the drift). A wide carrier's data then holds
     ``value / scale`` within float32's range for every ``|value|`` in ``[2^-94, 2^96]``.
     """
-    if isinstance(scale, np.ndarray):  # known at trace time: so is r, and r = 1 adds no multiply
-        s = scale.astype(np.float32)
-        m = s.max() if s.ndim else s
-        if (1 / SCALE_WINDOW <= m <= SCALE_WINDOW) or not (np.isfinite(m) and m > 0):
-            return data, s
-        r = pow2_floor_np(m)
-        return lax.mul(data, np.asarray(r, data.dtype)), (s / np.float32(r)).astype(np.float32)
+    if isinstance(scale, np.ndarray) and 1 / SCALE_WINDOW <= scale.max() <= SCALE_WINDOW:
+        return data, scale  # known at trace time and inside the window: no multiply at all
     s = cast(scale, F32)
     m = jnp.max(s) if s.ndim else s
     inside = ((m >= np.float32(1 / SCALE_WINDOW)) & (m <= np.float32(SCALE_WINDOW))) | ~(lax.is_finite(m) & (m > 0))

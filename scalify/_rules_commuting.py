@@ -56,9 +56,7 @@ def _stop_gradient(eqn, x):
     raw=True,
 )
 def _move(eqn, x, *rest):
-    if x.fmt is None:
-        return structural(eqn, x, *rest)
-    if moves_as_stored(x, [v.aval.shape for v in eqn.outvars]):
+    if x.fmt is not None and moves_as_stored(x, [v.aval.shape for v in eqn.outvars]):
         datas = bind_eqn(eqn, [x.data, *rest])
         outs = [ScaledArray(d, x.scale, fmt=x.fmt, dtype=x.dtype) for d in datas]
         return outs if eqn.primitive.multiple_results else outs[0]

@@ -195,7 +195,8 @@ def test_unit_factor_gives_a_static_output_scale(name):
     into the operands: the output's scale is then known when tracing, so under
     ``renormalize="static"`` nothing follows the dot but a multiply by the literal 1 (which XLA
     removes); a traced scale of 1 would be sealed behind an optimization barrier and cost a pass
-    over the output (measured on an H100: 1.21x -> 1.05x the bfloat16 GEMM for MXFP8)."""
+    over the output (measured on an H100, per-tensor FP8 8192^3 with fast accumulation under
+    ``renormalize="static"``: 0.71 -> 0.61 of the bfloat16 GEMM's time)."""
     fmt = qf.get_format(name)
     a = _scaled(_data((32, 64), 22), fmt, 1, 0)
     b = _scaled(_data((64, 16), 23), fmt, 0, 1)
