@@ -92,18 +92,11 @@ class NVFP4Format(ScaledFormat):
 
     def quantize_stochastic(self, x, key):
         """:meth:`quantize` with the scaled elements rounded stochastically (same two scale levels)."""
-        self.check_input(x)
-        x = jnp.asarray(x).astype(jnp.float32)
-        block = self.block_shape(x.shape)
-        code, tensor, factors = self._scales(_layout.block_amax(x, block), x)
+        x, block, code, tensor, factors = self._prepared(x)
         return self._encode(x, block, factors, key), NVFP4Scale(code, tensor)
 
     def quantize(self, x):
-        self.check_input(x)
-        x = jnp.asarray(x).astype(jnp.float32)
-        block = self.block_shape(x.shape)
-        amax = _layout.block_amax(x, block)
-        code, tensor, factors = self._scales(amax, x)
+        x, block, code, tensor, factors = self._prepared(x)
         if _layout.has_fast_block_max(x.shape, block):
             # A cond (its branches are the same loop) makes XLA write the per-block scales out once
             # instead of re-deriving them (an E4M3 encode and decode) inside the element loop.
@@ -114,6 +107,15 @@ class NVFP4Format(ScaledFormat):
         else:
             data = self._encode(x, block, factors)
         return data, NVFP4Scale(code, tensor)
+
+    def _prepared(self, x):
+        """``(x as float32, block, block codes, tensor scale, factors)``: what every quantizing
+        method starts from (see :meth:`_scales`)."""
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        code, tensor, factors = self._scales(_layout.block_amax(x, block), x)
+        return x, block, code, tensor, factors
 
     def _pack(self, codes):
         return _packing.pack(codes, 4, self.axis % codes.ndim) if self.packed else codes
@@ -172,11 +174,7 @@ class NVFP4Format(ScaledFormat):
     def fake_quantize(self, x, key=None):
         """``dequantize(*quantize(x))`` (with ``key``: of :meth:`quantize_stochastic`) in one element
         loop: the codes are decoded where they are made, never packed or written out."""
-        self.check_input(x)
-        x = jnp.asarray(x).astype(jnp.float32)
-        block = self.block_shape(x.shape)
-        amax = _layout.block_amax(x, block)
-        code, tensor, factors = self._scales(amax, x)
+        x, block, code, tensor, factors = self._prepared(x)
         elems = _FP4.decode(self._codes(x, block, factors, key))
         return self._scaled(elems, tensor, code.astype(jnp.float32))
 
