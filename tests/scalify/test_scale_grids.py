@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import qformats as qf
 import scalify as jsa
+from scalify._walk import sub_jaxprs
 
 RNG = np.random.default_rng(0)
 MODES = {"eager": lambda f: f, "jit": jax.jit}
@@ -124,7 +125,7 @@ def _largest_reduction(fn, *args) -> int:
         for e in jaxpr.eqns:
             if e.primitive.name == "reduce_max":
                 sizes.append(int(np.prod(e.invars[0].aval.shape)))
-            for sub in jax.core.jaxprs_in_params(e.params):
+            for sub in sub_jaxprs(e):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)

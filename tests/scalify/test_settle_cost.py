@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import scalify as jsa
 from scalify._rules_common import block_amax
+from scalify._walk import sub_jaxprs
 
 MODES = {"eager": lambda f: f, "jit": jax.jit}
 
@@ -70,7 +71,7 @@ def _reduced_operands(jaxpr, producers=None):
         if e.primitive.name == "reduce_max" and np.prod(e.invars[0].aval.shape) >= 256 * 256:
             found.append(producers.get(e.invars[0], "input"))
         if e.primitive.name != "cond":
-            for sub in jax.core.jaxprs_in_params(e.params):
+            for sub in sub_jaxprs(e):
                 found += _reduced_operands(sub, {})
     return found
 
