@@ -2,7 +2,7 @@
 
 On XLA's CPU runtime (YNNPACK reductions) a sum whose operand has a size-1 axis ran ten times
 slower or worse: softmax's backward in flax NNX attention sums a (1, 8, 16, 256, 256) product
-over its last axis, and that one reduction took 107 ms of a 540 ms MXFP8 training step
+over its last axis, and that one reduction took 111 ms of a 540 ms MXFP8 training step
 (docs/performance.md). The squeeze is a free reshape; these tests check that the rule emits it
 and that the sum is unchanged.
 """
@@ -61,3 +61,13 @@ def test_sum_with_unit_axes_equals_the_float64_sum(shape, data, seed, jit):
     n = int(np.prod([shape[i] for i in axes])) if axes else 1
     bound = (n + 1) * 2.0**-24 * np.abs(terms).sum(axis=axes) + 1e-30
     np.testing.assert_array_less(np.abs(got - expected), bound + 1e-12 * np.abs(expected))
+
+
+def test_integer_sum_over_a_unit_axis_operand_keeps_the_programs_dtype():
+    # The squeezed sum is the program's own reduce_sum (no jnp promotion of int8 to int32).
+    v = np.arange(20, dtype=np.int8).reshape(1, 4, 5)
+    fn = lambda a: jnp.sum(a, axis=-1, dtype=jnp.int8)
+    out = jax.jit(jsa.scalify(fn))(jsa.ScaledArray(jnp.asarray(v), jnp.float32(1.0)))
+    data = out.data if isinstance(out, jsa.ScaledArray) else out
+    assert data.dtype == jax.eval_shape(fn, v).dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), v.sum(axis=-1).astype(np.float32))
