@@ -27,7 +27,7 @@ from scalify._rules_common import (
     note_bound,
     note_fill,
     runtime_fill,
-    settle_carried,
+    settle_output,
     static_operand,
     static_scalar,
 )
@@ -271,7 +271,7 @@ def scalify(fun):
         else:
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[_abstract(x) for x in leaves])
         out_tree = jax.tree.structure(out_shape)
-        outs = [settle_carried(o) for o in eval_closed(closed, *leaves)]
+        outs = [settle_output(o) for o in eval_closed(closed, *leaves)]
         return jax.tree.unflatten(out_tree, outs)
 
     return wrapped

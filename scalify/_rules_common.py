@@ -356,6 +356,28 @@ def settle_carried(x):
 SCALE_WINDOW = 2.0**32
 
 
+def settle_output(x):
+    """A value leaving the scalified program: settled as a carried value (:func:`settle_carried`),
+    unless it is a wide carrier (float32, bfloat16) whose scale is a constant of the program
+    inside ``[2^-32, 2^32]``.
+
+    Such a value's data is its value divided by that constant (a contraction of formatted
+    operands, whose scales the GEMM already applied, has the constant scale 1): returned and fed
+    to the program again, its data is the same function of its value at every step, so there is
+    no drift to compound, and float32's range holds ``value / scale`` for every float32 value
+    within ``2^32`` of the range's ends. Settling it cost two passes over the output
+    (its amax, then a rescale that ``to_array`` multiplies back): on an H100 an MXFP8 8192^3
+    matmul under the measured policy took 1.21x the bfloat16 GEMM's time, 1.06x without it.
+    Loop carries are always settled: their data bound inside the body relies on it.
+    """
+    if _settles(x) and wide(x.data.dtype) and isinstance(x.scale, np.ndarray | np.generic):
+        s = np.abs(np.asarray(x.scale, np.float64))
+        if s.size and np.all((s >= 1 / SCALE_WINDOW) & (s <= SCALE_WINDOW)):
+            # As a JAX array, as every other output's scale is (a constant under jit).
+            return ScaledArray(x.data, jnp.asarray(x.scale))
+    return settle_carried(x)
+
+
 def recentre(data, scale):
     """``(data * r, scale / r)``: a scale whose largest entry leaves ``[2^-32, 2^32]`` moves into
     the data as the power of two ``r`` at or below that entry (exact).

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import qformats as qf
 import scalify as jsa
 from scalify._rules_common import block_amax
 from scalify._walk import sub_jaxprs
@@ -82,3 +83,44 @@ def test_the_settle_measures_abs_of_the_data_directly():
     ops = _reduced_operands(jaxpr)
     # The output is settled: one measurement, of |v| (a select there costs XLA two more passes).
     assert ops == ["abs"], ops
+
+
+def _two_operands(magnitude):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((256, 256)) * magnitude).astype(np.float32)
+    w = (rng.standard_normal((256, 256)) * magnitude).astype(np.float32)
+    return x, w
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", [qf.MXFP8, qf.MXFP4, qf.NVFP4], ids=lambda f: f.name)
+def test_a_constant_scale_output_leaves_without_a_settle(fmt, mode):
+    """A contraction of operands blocked along K applies the block scales in its GEMM: the output
+    is a float32 carrier of constant scale, its data the value itself. Nothing can compound across
+    steps, so it leaves unsettled (no pass over the output), even with an amax far outside the
+    window; the value is the float32 contraction of the dequantized operands (summation order)."""
+    x, w = _two_operands(64.0)  # output amax ~ 2^19: a settle would have moved 2^12 into the scale
+    a, b = jsa.as_scaled_array(x, fmt=fmt), jsa.as_scaled_array(w, fmt=fmt.replace(axis=0))
+    f = jsa.scalify(jnp.matmul)
+    ops = _reduced_operands(jax.make_jaxpr(f)(a, b).jaxpr)
+    out = MODES[mode](f)(a, b)
+    ref = np.asarray(a.to_array(jnp.float32), np.float64) @ np.asarray(b.to_array(jnp.float32), np.float64)
+    if fmt is qf.NVFP4:
+        # NVFP4's float32 tensor scales stay out of the GEMM: a traced output scale, settled.
+        assert ops == ["abs"], ops
+    else:
+        assert ops == [], ops
+        assert isinstance(out.scale, jax.Array) and float(out.scale) == 1.0
+        assert np.max(np.abs(np.asarray(out.data))) > 2.0**7
+    # float32 summation of 256 exact products: |err| <= 256 * 2^-24 * sum|a||b| per output.
+    bound = 256 * 2.0**-24 * (np.abs(np.asarray(a.to_array(jnp.float32))) @ np.abs(np.asarray(b.to_array(jnp.float32))))
+    assert np.all(np.abs(np.asarray(out.to_array(jnp.float32), np.float64) - ref) <= bound)
+
+
+def test_a_traced_scale_output_is_still_settled():
+    # Carriers of runtime scale: the output's scale is a product of traced scales, which a step
+    # would compound; the exit settle still measures it.
+    x, w = _two_operands(64.0)
+    a, b = jsa.ScaledArray(jnp.asarray(x), jnp.float32(1.0)), jsa.ScaledArray(jnp.asarray(w), jnp.float32(1.0))
+    out = jax.jit(jsa.scalify(jnp.matmul))(a, b)
+    assert np.max(np.abs(np.asarray(out.data))) <= 2.0**7
