@@ -356,25 +356,27 @@ def settle_carried(x):
 SCALE_WINDOW = 2.0**32
 
 
+def static_in_window(scale) -> bool:
+    """Whether ``scale`` is a constant of the program (a NumPy value, known at trace time) whose
+    largest entry lies in ``[2^-32, 2^32]``: a wide carrier on it needs no re-centring."""
+    return isinstance(scale, np.ndarray | np.generic) and 1 / SCALE_WINDOW <= np.max(scale) <= SCALE_WINDOW
+
+
 def settle_output(x):
     """A value leaving the scalified program: settled as a carried value (:func:`settle_carried`),
-    unless it is a wide carrier (float32, bfloat16) whose scale is a constant of the program
-    inside ``[2^-32, 2^32]``.
+    unless it is a wide carrier (float32, bfloat16) on a constant scale (:func:`static_in_window`).
 
     Such a value's data is its value divided by that constant (a contraction of formatted
     operands, whose scales the GEMM already applied, has the constant scale 1): returned and fed
     to the program again, its data is the same function of its value at every step, so there is
-    no drift to compound, and float32's range holds ``value / scale`` for every float32 value
-    within ``2^32`` of the range's ends. Settling it cost two passes over the output
-    (its amax, then a rescale that ``to_array`` multiplies back): on an H100 an MXFP8 8192^3
-    matmul under the measured policy took 1.21x the bfloat16 GEMM's time, 1.06x without it.
-    Loop carries are always settled: their data bound inside the body relies on it.
+    no drift to compound. Settling it cost two passes over the output (its amax, then a rescale
+    that ``to_array`` multiplies back): on an H100 an MXFP8 8192^3 matmul under the measured
+    policy took 1.21x the bfloat16 GEMM's time, 1.06x without it. Loop carries are always
+    settled: their data bound inside the body relies on it.
     """
-    if _settles(x) and wide(x.data.dtype) and isinstance(x.scale, np.ndarray | np.generic):
-        s = np.abs(np.asarray(x.scale, np.float64))
-        if s.size and np.all((s >= 1 / SCALE_WINDOW) & (s <= SCALE_WINDOW)):
-            # As a JAX array, as every other output's scale is (a constant under jit).
-            return ScaledArray(x.data, jnp.asarray(x.scale))
+    if _settles(x) and wide(x.data.dtype) and static_in_window(x.scale):
+        # As a JAX array, as every other output's scale is (a constant under jit).
+        return ScaledArray(x.data, jnp.asarray(x.scale))
     return settle_carried(x)
 
 
@@ -391,7 +393,7 @@ def recentre(data, scale):
     reduction is needed (the scale alone shows the drift). A wide carrier's data then holds
     ``value / scale`` within float32's range for every ``|value|`` in ``[2^-94, 2^96]``.
     """
-    if isinstance(scale, np.ndarray) and 1 / SCALE_WINDOW <= scale.max() <= SCALE_WINDOW:
+    if static_in_window(scale):
         return data, scale  # known at trace time and inside the window: no multiply at all
     s = cast(scale, F32)
     m = jnp.max(s) if s.ndim else s

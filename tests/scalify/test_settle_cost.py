@@ -119,8 +119,11 @@ def test_a_constant_scale_output_leaves_without_a_settle(fmt, mode):
 
 def test_a_traced_scale_output_is_still_settled():
     # Carriers of runtime scale: the output's scale is a product of traced scales, which a step
-    # would compound; the exit settle still measures it.
-    x, w = _two_operands(64.0)
+    # would compound; the exit settle still measures it. The operands are smaller than the output,
+    # so the rule renormalises them and returns the plain dot of their data (64 * 1.5 * 1.5 = 144,
+    # outside the window) without settling it: only the exit brings the data back into the window.
+    x, w = np.full((512, 64), 3.0, np.float32), np.full((64, 512), 3.0, np.float32)
     a, b = jsa.ScaledArray(jnp.asarray(x), jnp.float32(1.0)), jsa.ScaledArray(jnp.asarray(w), jnp.float32(1.0))
     out = jax.jit(jsa.scalify(jnp.matmul))(a, b)
     assert np.max(np.abs(np.asarray(out.data))) <= 2.0**7
+    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), x @ w)
