@@ -234,6 +234,49 @@ class Float16MLPStep:
     track_ratio.unit = track_trace_lower_ratio.unit = "ratio"
 
 
+def adam_update(p, m, v, g):
+    """One Adam update of a parameter and its moments (bias correction left out: a scalar)."""
+    import jax.numpy as jnp
+
+    m = 0.9 * m + 0.1 * g
+    v = 0.999 * v + 0.001 * g * g
+    return p - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+
+class OptimizerUpdate:
+    """An Adam update of a 2048x2048 float32 parameter on float32 carriers with traced scales,
+    against the same update on plain arrays: the program's three outputs are settled at its exit
+    (an amax and a rescale each), and ``g * g`` renormalises ``g`` first (its magnitude is not
+    known at trace time). Its ratio is that bookkeeping's price on a memory-bound update."""
+
+    timeout = 300
+
+    def setup(self):
+        import jax
+        import jax.numpy as jnp
+
+        scalify, as_scaled_array = scalify_or_skip()
+        shape = (256, 256) if SMALL else (2048, 2048)
+        p, g = (make_data("gaussian", shape, seed) for seed in (30, 31))
+        self.plain_args = tuple(jnp.asarray(a) for a in (p, 0.1 * g, 0.01 * g * g, g))
+        self.scaled_args = tuple(as_scaled_array(a, scale=jnp.float32(1.0)) for a in self.plain_args)
+        self.plain = jax.jit(adam_update)
+        self.scaled = jax.jit(scalify(adam_update))
+        block(self.plain(*self.plain_args))
+        block(self.scaled(*self.scaled_args))
+
+    def time_plain(self):
+        block(self.plain(*self.plain_args))
+
+    def time_scalified(self):
+        block(self.scaled(*self.scaled_args))
+
+    def track_ratio(self):
+        return interleaved_ratio(self.scaled, self.scaled_args, self.plain, self.plain_args, 41)
+
+    track_ratio.unit = "ratio"
+
+
 def _interleaved_trace_lower_ratio(make_a, args_a, make_b, args_b, repeats=1 if SMALL else 15):
     """Median trace+lower time of fresh ``make_a()`` over fresh ``make_b()``, interleaved."""
     import jax
