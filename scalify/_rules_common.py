@@ -304,21 +304,66 @@ def settle(v, scale, dtype, *, per_block: bool = False) -> ScaledArray:
     return note_bound(ScaledArray(*_settle(v, scale, dtype=np.dtype(dtype), per_block=per_block)), WINDOW)
 
 
+def _settle_factor(v, scale, per_block):
+    """``(keep, r)``: per block of the grid, whether the amax of ``v`` is inside the window (or has
+    no power of two to move: zero, NaN, Inf), and the power of two ``r`` that moves into the scale."""
+    grid = tuple(scale.shape) if per_block and scale.ndim and scale.ndim == v.ndim else ()
+    amax = block_amax(v, grid)
+    inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
+    keep = inside | ~(lax.is_finite(amax) & (amax > 0))
+    # A select, not a conditional: under shard_map's varying-axis checking the two branches of a
+    # cond would have different types (the measured factor varies, the kept scale may not).
+    return keep, lax.select(keep, lax.full_like(amax, 1.0), pow2_round(amax, Pow2RoundMode.DOWN))
+
+
 @staged("dtype", "per_block")
 def _settle(v, scale, *, dtype, per_block, mode):
     del mode
     v, scale = jnp.asarray(v, F32), jnp.asarray(scale, F32)
-    grid = tuple(scale.shape) if per_block and scale.ndim and scale.ndim == v.ndim else ()
-    amax = block_amax(v, grid)
-    inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
-    # Zero, NaN and Inf have no power of two to move: they stay as they are too.
-    keep = inside | ~(lax.is_finite(amax) & (amax > 0))
-    # A select, not a conditional: under shard_map's varying-axis checking the two branches of a
-    # cond would have different types (the measured factor varies, the kept scale may not).
-    r = lax.select(keep, lax.full_like(amax, 1.0), pow2_round(amax, Pow2RoundMode.DOWN))
-    if not grid:
-        return (v * (1.0 / r)).astype(dtype), scale * r
+    _, r = _settle_factor(v, scale, per_block)
     return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r
+
+
+@staged("per_block")
+def _settle_stored(data, scale, *, per_block, mode):
+    """:func:`_settle` of a value that is stored (it leaves the program or a loop iteration): the
+    rescale runs only when some block is outside the window.
+
+    Inside a program the rescale is one multiply that XLA fuses into the data's consumer; a stored
+    value has no consumer to fuse with, so the multiply is a pass of its own (read and write the
+    whole array) on top of the amax's read. A trained model's parameters and optimizer moments
+    stay in the window from step to step, so skipping the pass there is most of the settle's cost.
+    """
+    del mode
+    scale = jnp.asarray(scale, F32)
+    keep, r = _settle_factor(jnp.asarray(data, F32), scale, per_block)
+    return _divide_unless(data, r, jnp.all(keep)), scale * r
+
+
+@jax.custom_jvp
+def _divide_unless(d, r, skip):
+    """``d / expand(r)`` in ``d``'s dtype, where ``r`` is 1 wherever ``skip`` holds: the division is
+    not run at all then.
+
+    A loop of zero or one iterations, not a ``cond``: XLA gives a ``cond`` a new output buffer, so
+    its untaken branch still copied the whole array (on CPU as slow as the multiply), while a
+    loop's state is updated in place.
+    """
+
+    def divide(carry):
+        d, run = carry
+        return (d.astype(F32) * expand_scale(1.0 / r, d.shape)).astype(d.dtype), ~run
+
+    return lax.while_loop(lambda carry: carry[1], divide, (d, ~skip))[0]
+
+
+@_divide_unless.defjvp
+def _divide_unless_jvp(primals, tangents):
+    # ``r`` is piecewise constant in ``d`` (a power of two of its amax): the derivative is the
+    # division's, and linear in ``d``'s tangent (so reverse mode transposes it; a while loop does
+    # not differentiate in reverse mode).
+    d, r, skip = primals
+    return _divide_unless(d, r, skip), (tangents[0].astype(F32) * expand_scale(1.0 / r, d.shape)).astype(d.dtype)
 
 
 def wide(dtype) -> bool:
@@ -340,7 +385,8 @@ def settle_carried(x):
     alignment's rounding: a factor below 2 per operation); state carried across steps or
     iterations (an optimizer's moments ``b * m + (1 - b) * g``, a loop carry) would compound it
     without bound. Settling what is carried keeps the data's amax in the window (one reduction);
-    a value already inside it (an explicit ``set_scaling``, jax-scalify's outputs) is unchanged.
+    a value already inside it (an explicit ``set_scaling``, jax-scalify's outputs) is unchanged and
+    not rewritten (:func:`_settle_stored`).
     Formatted values (quantized by their format) and plain values pass unchanged.
     """
     if not _settles(x):
@@ -348,7 +394,7 @@ def settle_carried(x):
     # Per block: a factor common to all blocks, taken from the largest (the 2^125 of a ``-1e38``
     # mask fill in an MX block), overflowed the larger block scales to Inf and flushed the other
     # blocks' data (0 * Inf = NaN in every other block).
-    return settle(x.data, x.scale, x.data.dtype, per_block=True)
+    return note_bound(ScaledArray(*_settle_stored(x.data, x.scale, per_block=True)), WINDOW)
 
 
 # Scale window of wide carriers that are not settled on their amax (contraction outputs, loop

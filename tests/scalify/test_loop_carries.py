@@ -22,9 +22,12 @@ RNG = np.random.default_rng(11)
 
 
 def _loop_bodies(closed):
-    """The bodies of every scan / while in ``closed`` (nested jits included)."""
+    """The bodies of every scan / while in ``closed`` (nested jits included), except the exit
+    settle's own zero-or-one-iteration rescale loop."""
     out = []
     for e in closed.jaxpr.eqns:
+        if e.params.get("name") == "_settle_stored":
+            continue
         if e.primitive.name in ("scan", "while"):
             out.append(e.params["jaxpr" if e.primitive.name == "scan" else "body_jaxpr"])
         for v in e.params.values():
