@@ -16,18 +16,20 @@ from jax import lax
 
 from scalify import _walk
 from scalify._config import get_config
-from scalify._jax_compat import bind_eqn, bind_params, is_tracer, logical_aval, p
+from scalify._jax_compat import Literal, bind_eqn, bind_params, is_tracer, logical_aval, p
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import (
     bound_of,
     decoded,
     fill_scope,
+    finish_output,
     is_float,
     isolate_scale,
     note_bound,
     note_fill,
     runtime_fill,
     settle_output,
+    settle_produced,
     static_operand,
     static_scalar,
 )
@@ -229,6 +231,33 @@ class _Scalify(_walk.Walk):
 WALK = _Scalify()
 
 
+class _Program(_Scalify):
+    """The walk of the program's own jaxpr: a value it returns is settled where an equation
+    produces it (:func:`~scalify._rules_common.settle_produced`), so the equations after it read
+    the settled value; the others (inputs, constants) are settled at the exit."""
+
+    def __init__(self, args, outvars):
+        super().__init__(args)
+        self.exits = {v for v in outvars if not isinstance(v, Literal)}
+        self.produced = set()
+
+    def apply(self, eqn, invals):
+        outs = super().apply(eqn, invals)
+        for i, v in enumerate(eqn.outvars):
+            if v in self.exits:
+                outs[i] = settle_produced(outs[i])
+                self.produced.add(v)
+        return outs
+
+    def run(self, closed, args) -> list:
+        with fill_scope(args):
+            outs = _walk.eval_jaxpr(self, closed.jaxpr, closed.consts, args)
+        return [
+            finish_output(o) if not isinstance(v, Literal) and v in self.produced else settle_output(o)
+            for v, o in zip(closed.jaxpr.outvars, outs, strict=True)
+        ]
+
+
 def eval_jaxpr(jaxpr, consts, *args):
     """Evaluate an open ``jaxpr`` on ScaledArrays and plain values with the rule table."""
     return WALK.eval(jaxpr, consts, list(args))
@@ -271,7 +300,7 @@ def scalify(fun):
         else:
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[_abstract(x) for x in leaves])
         out_tree = jax.tree.structure(out_shape)
-        outs = [settle_output(o) for o in eval_closed(closed, *leaves)]
+        outs = _Program(leaves, closed.jaxpr.outvars).run(closed, leaves)
         return jax.tree.unflatten(out_tree, outs)
 
     return wrapped

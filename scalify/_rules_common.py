@@ -420,10 +420,30 @@ def settle_output(x):
     policy took 1.21x the bfloat16 GEMM's time, 1.06x without it. Loop carries are always
     settled: their data bound inside the body relies on it.
     """
-    if _settles(x) and wide(x.data.dtype) and static_in_window(x.scale):
+    if _leaves_unsettled(x):
         # As a JAX array, as every other output's scale is (a constant under jit).
         return ScaledArray(x.data, jnp.asarray(x.scale))
     return settle_carried(x)
+
+
+def _leaves_unsettled(x) -> bool:
+    return _settles(x) and wide(x.data.dtype) and static_in_window(x.scale)
+
+
+def settle_produced(x):
+    """:func:`settle_output` of an output, applied where the program produces it (its later
+    consumers read the settled value, the same value); ``finish_output`` completes it at the exit.
+
+    Settled at the exit instead, an output that the program also consumes (a gradient that the
+    optimizer reads, the new moments that the parameter update reads) is one buffer read by two
+    parties, and the in-place rescale of :func:`_settle_stored` had to copy it first.
+    """
+    return x if _leaves_unsettled(x) else settle_carried(x)
+
+
+def finish_output(x):
+    """At the exit, what :func:`settle_output` does to a value :func:`settle_produced` left as is."""
+    return ScaledArray(x.data, jnp.asarray(x.scale)) if _leaves_unsettled(x) else x
 
 
 def recentre(data, scale):

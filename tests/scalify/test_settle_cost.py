@@ -185,3 +185,29 @@ def test_the_exit_rescale_differentiates_and_vectorises(magnitude):
     np.testing.assert_allclose(np.asarray(batched.to_array(jnp.float32)), x * x + x, rtol=1e-6)
     for i in range(4):
         assert 2.0**-7 <= np.max(np.abs(np.asarray(batched.data[i]))) <= 2.0**7
+
+
+def test_an_output_the_program_also_reads_is_settled_where_it_is_produced():
+    """An Adam-like update returns the new moment and reads it for the parameter: the moment is
+    settled once, where it is produced, and the parameter update reads the settled value. Settled
+    at the exit, its buffer was still read by the update, so the in-place rescale copied it."""
+    rng = np.random.default_rng(4)
+    p, m, g = (rng.standard_normal((512, 512)).astype(np.float32) for _ in range(3))
+
+    def update(p, m, g):
+        m = 0.9 * m + 0.1 * g
+        return p - 1e-3 * m, m, 2.0  # a literal output too: settled (left) at the exit
+
+    args = [jsa.ScaledArray(jnp.asarray(a), jnp.float32(1.0)) for a in (p, m, g)]
+    f = jsa.scalify(update)
+    settles = [e for e in jax.make_jaxpr(f)(*args).jaxpr.eqns if e.params.get("name") == "_settle_stored"]
+    assert len(settles) == 2, len(settles)
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    assert not [line for line in hlo.splitlines() if " copy(" in line and "f32[512,512]" in line.split("=")[1]]
+    new_p, new_m, two = jax.jit(f)(*args)
+    ref_m = np.float32(0.9) * m + np.float32(0.1) * g
+    np.testing.assert_allclose(np.asarray(new_m.to_array(jnp.float32)), ref_m, rtol=1e-6, atol=1e-7)
+    # a few float32 roundings of the terms, which cancel where p ~ 1e-3 m
+    err = np.abs(np.asarray(new_p.to_array(jnp.float32), np.float64) - (p - np.float32(1e-3) * ref_m))
+    assert np.all(err <= 8 * 2.0**-24 * (np.abs(p) + 1e-3 * np.abs(ref_m)))
+    assert float(two) == 2.0
