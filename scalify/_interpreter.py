@@ -29,7 +29,6 @@ from scalify._rules_common import (
     note_fill,
     runtime_fill,
     settle_output,
-    settle_produced,
     static_operand,
     static_scalar,
 )
@@ -233,27 +232,23 @@ WALK = _Scalify()
 
 class _Program(_Scalify):
     """The walk of the program's own jaxpr: a value it returns is settled where an equation
-    produces it (:func:`~scalify._rules_common.settle_produced`), so the equations after it read
-    the settled value; the others (inputs, constants) are settled at the exit."""
+    produces it (:func:`~scalify._rules_common.settle_output`), so the equations after it read
+    the settled value; a returned input or constant is settled at the exit."""
 
     def __init__(self, args, outvars):
         super().__init__(args)
         self.exits = {v for v in outvars if not isinstance(v, Literal)}
-        self.produced = set()
 
     def apply(self, eqn, invals):
         outs = super().apply(eqn, invals)
-        for i, v in enumerate(eqn.outvars):
-            if v in self.exits:
-                outs[i] = settle_produced(outs[i])
-                self.produced.add(v)
-        return outs
+        return [settle_output(o) if v in self.exits else o for v, o in zip(eqn.outvars, outs, strict=True)]
 
     def run(self, closed, args) -> list:
         with fill_scope(args):
             outs = _walk.eval_jaxpr(self, closed.jaxpr, closed.consts, args)
+        unproduced = {*closed.jaxpr.invars, *closed.jaxpr.constvars}
         return [
-            finish_output(o) if not isinstance(v, Literal) and v in self.produced else settle_output(o)
+            finish_output(settle_output(o) if isinstance(v, Literal) or v in unproduced else o)
             for v, o in zip(closed.jaxpr.outvars, outs, strict=True)
         ]
 

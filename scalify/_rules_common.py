@@ -409,8 +409,10 @@ def static_in_window(scale) -> bool:
 
 
 def settle_output(x):
-    """A value leaving the scalified program: settled as a carried value (:func:`settle_carried`),
+    """A value the scalified program returns, settled where the program produces it (its later
+    readers take the settled value, the same value): as a carried value (:func:`settle_carried`),
     unless it is a wide carrier (float32, bfloat16) on a constant scale (:func:`static_in_window`).
+    :func:`finish_output` completes it at the exit.
 
     Such a value's data is its value divided by that constant (a contraction of formatted
     operands, whose scales the GEMM already applied, has the constant scale 1): returned and fed
@@ -419,30 +421,21 @@ def settle_output(x):
     that ``to_array`` multiplies back): on an H100 an MXFP8 8192^3 matmul under the measured
     policy took 1.21x the bfloat16 GEMM's time, 1.06x without it. Loop carries are always
     settled: their data bound inside the body relies on it.
+
+    Settled at the exit instead, an output that the program also reads (a gradient that the
+    optimizer reads, the new moments that the parameter update reads) was one buffer read by two
+    parties, and the in-place rescale of :func:`_settle_stored` had to copy it first.
     """
-    if _leaves_unsettled(x):
-        # As a JAX array, as every other output's scale is (a constant under jit).
-        return ScaledArray(x.data, jnp.asarray(x.scale))
-    return settle_carried(x)
+    return x if _leaves_unsettled(x) else settle_carried(x)
 
 
 def _leaves_unsettled(x) -> bool:
     return _settles(x) and wide(x.data.dtype) and static_in_window(x.scale)
 
 
-def settle_produced(x):
-    """:func:`settle_output` of an output, applied where the program produces it (its later
-    consumers read the settled value, the same value); ``finish_output`` completes it at the exit.
-
-    Settled at the exit instead, an output that the program also consumes (a gradient that the
-    optimizer reads, the new moments that the parameter update reads) is one buffer read by two
-    parties, and the in-place rescale of :func:`_settle_stored` had to copy it first.
-    """
-    return x if _leaves_unsettled(x) else settle_carried(x)
-
-
 def finish_output(x):
-    """At the exit, what :func:`settle_output` does to a value :func:`settle_produced` left as is."""
+    """At the exit, a value :func:`settle_output` left unsettled gets its constant scale as a JAX
+    array, as every other output's scale is (a constant under jit)."""
     return ScaledArray(x.data, jnp.asarray(x.scale)) if _leaves_unsettled(x) else x
 
 
