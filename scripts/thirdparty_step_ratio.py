@@ -4,10 +4,12 @@ A step is ``value_and_grad(loss)`` plus one Adam update, the program the third-p
 (tests/thirdparty) checks for correctness; this script times it at a realistic width. For each
 (model, format): the scalified step runs on the model's parameters quantized into the format (rank >= 2
 leaves the layout accepts), the float32 step on the same parameters dequantized. Both are compiled
-first (compile time is reported separately), then timed in interleaved runs in one process; the ratio
-is median(scalified) / median(float32), and the same of the fastest runs (less sensitive to a noisy
-machine). With ``--steady`` the optimizer state is the one after a first scalified step (non-zero,
-settled moments, as from the second step of training on; the float32 step gets its values) instead
+first (compile time is reported separately), then timed in interleaved runs in one process (the
+order of the two alternating from one repeat to the next). Three ratios: median(scalified) /
+median(float32); the median over repeats of the ratio of a repeat's two runs (paired: a slow spell
+of the machine hits both runs of a repeat, so it cancels); and the ratio of the fastest runs. With
+``--steady`` the optimizer state is the one after a first scalified step (non-zero, settled
+moments, as from the second step of training on; the float32 step gets its values) instead
 of ``opt.init``'s zeros. Prints a markdown table.
 
     python scripts/thirdparty_step_ratio.py --models gemma keras_gpt2 --formats mxfp8 fp8_e4m3 --d-model 512
@@ -69,7 +71,7 @@ def time_model(build, fmt_names, d_model, batch, seq, repeats, steady=False):
     for fmt_name in fmt_names:
         fmt, qparams, dparams = case.quantized_or_none(fmt_name)
         if fmt is None:
-            rows.append((case.name, fmt_name, None, None, None, None, None, "no parameter fits the layout"))
+            rows.append((case.name, fmt_name, None, None, None, None, None, None, "no parameter fits the layout"))
             continue
         state = opt.init(dparams)
         if steady:
@@ -84,17 +86,19 @@ def time_model(build, fmt_names, d_model, batch, seq, repeats, steady=False):
         s_compile = time.perf_counter() - t0
         _block(f32_step(dparams, fstate, case.batch))
         _block(s_step(qparams, state, case.batch))
-        t_f32, t_s = [], []
-        for _ in range(repeats):  # interleaved, so load changes hit both alike
-            t0 = time.perf_counter()
-            _block(f32_step(dparams, fstate, case.batch))
-            t_f32.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            _block(s_step(qparams, state, case.batch))
-            t_s.append(time.perf_counter() - t0)
+        runs = {"f32": (f32_step, (dparams, fstate, case.batch)), "scalified": (s_step, (qparams, state, case.batch))}
+        times = {name: [] for name in runs}
+        for i in range(repeats):  # interleaved, in alternating order, so load changes hit both alike
+            for name in list(runs)[:: 1 if i % 2 == 0 else -1]:
+                fn, args = runs[name]
+                t0 = time.perf_counter()
+                _block(fn(*args))
+                times[name].append(time.perf_counter() - t0)
+        t_f32, t_s = times["f32"], times["scalified"]
         m_f32, m_s = statistics.median(t_f32), statistics.median(t_s)
+        paired = statistics.median(s / f for s, f in zip(t_s, t_f32, strict=True))
         fastest = min(t_s) / min(t_f32)
-        rows.append((case.name, fmt_name, m_f32, m_s, fastest, f32_compile, s_compile, ""))
+        rows.append((case.name, fmt_name, m_f32, m_s, paired, fastest, f32_compile, s_compile, ""))
         print(f"# {case.name} {fmt_name}: f32 {m_f32 * 1e3:.2f} ms, scalified {m_s * 1e3:.2f} ms", file=sys.stderr)
     return rows
 
@@ -135,17 +139,17 @@ def main(argv=None):
         f"jax {jax.__version__} on {jax.devices()[0].platform}\n"
     )
     print(
-        "| model | format | float32 step (ms) | scalified step (ms) | ratio | ratio of fastest runs |"
-        " compile f32 / scalified (s) |"
+        "| model | format | float32 step (ms) | scalified step (ms) | ratio of medians | paired ratio |"
+        " ratio of fastest runs | compile f32 / scalified (s) |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for model, fmt_name, m_f32, m_s, fastest, c_f32, c_s, note in rows:
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for model, fmt_name, m_f32, m_s, paired, fastest, c_f32, c_s, note in rows:
         if m_f32 is None:
-            print(f"| {model} | {fmt_name} | | | | | {note} |")
+            print(f"| {model} | {fmt_name} | | | | | | {note} |")
         else:
             print(
-                f"| {model} | {fmt_name} | {m_f32 * 1e3:.1f} | {m_s * 1e3:.1f} | {m_s / m_f32:.2f}x | {fastest:.2f}x | "
-                f"{c_f32:.1f} / {c_s:.1f} |"
+                f"| {model} | {fmt_name} | {m_f32 * 1e3:.1f} | {m_s * 1e3:.1f} | {m_s / m_f32:.2f}x | {paired:.2f}x | "
+                f"{fastest:.2f}x | {c_f32:.1f} / {c_s:.1f} |"
             )
 
 
