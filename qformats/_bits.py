@@ -106,3 +106,46 @@ def log2_f32(x):
     e = ((b >> F32_MANT_BITS) & 0xFF) - F32_BIAS + ((b & F32_MANT_MASK) >= 0x3504F3).astype(jnp.int32)
     m = bits_f32((b & F32_MANT_MASK) | ((F32_BIAS - (e - floor_log2(x))) << F32_MANT_BITS))
     return e.astype(jnp.float32) + jnp.log2(m)
+
+
+def round_quotient(a, b, q):
+    """The correctly rounded float32 quotient ``a / b`` (IEEE round to nearest even, subnormal and
+    overflowing quotients included) for normal ``a`` and ``b``, given any float32 ``q`` within 2
+    units in the last place of it; where ``a`` or ``b`` is zero, subnormal, Inf or NaN, ``q``.
+
+    XLA divides float32 on CPU as IEEE does, but not everywhere: on NVIDIA GPUs it emits PTX
+    ``div.full.f32``, specified to within 2 ulps; a quotient on an exact rounding tie of a coarser
+    grid (FP4, int8, E4M3) then rounds to either side of it. This repairs ``q`` with integer
+    arithmetic only, so no float operation (contracted, flushed or approximated) can move it again.
+
+    With ``|a| = A 2**ea``, ``|b| = B 2**eb`` (``A``, ``B`` in ``[2**23, 2**24)``) the result's ulp
+    is ``2**e``, ``e = max(ea - eb - 23 - [A < B], -149)``, and ``|a / b| = u 2**e`` with
+    ``2uB = A 2**s``, ``s = ea - eb - e + 1 <= 25``. ``q``'s significand, shifted to the ulp
+    ``2**e``, is an integer ``n0`` within 2.5 of ``u``, so ``D = A 2**s - (2 n0 + 1) B = 2B (u - n0 -
+    1/2)`` lies in ``[-6B, 4B]`` and is exact in wrapped 32-bit arithmetic. ``round(u) = n0 + 1 +
+    floor(D / 2B)``, a tie (``D`` a multiple of ``2B``) to the even one. ``u < 1/4`` (``s < 0``)
+    rounds to zero, and a biased exponent above 254 is Inf.
+    """
+    a, b, q = (jnp.asarray(v, jnp.float32) for v in (a, b, q))
+    ab, bb, qb = f32_bits(a), f32_bits(b), f32_bits(q) & F32_ABS_MASK
+    field_a, field_b, field_q = ((v >> F32_MANT_BITS) & 0xFF for v in (ab, bb, qb))
+    sig_a, sig_b, sig_q = ((v & F32_MANT_MASK) | (1 << F32_MANT_BITS) for v in (ab, bb, qb))
+    sig_q = jnp.where(field_q > 0, sig_q, qb)  # a subnormal guess has no implicit bit
+    below = (sig_a < sig_b).astype(jnp.int32)
+    # the result's biased exponent field, where the result is normal; subnormal results share 1
+    field = field_a - field_b + F32_BIAS - below
+    ulp_field = jnp.maximum(field, 1)
+    s = F32_MANT_BITS + 1 + below - (ulp_field - field)
+    # q's significand at the ulp 2**e: one bit either way when q lies in a neighbouring binade
+    n0 = (sig_q << ((jnp.maximum(field_q, 1) - ulp_field).clip(-1, 1) + 1)) >> 1
+    u32 = jnp.uint32
+    d = (sig_a.astype(u32) << s.clip(0, 31).astype(u32)) - (2 * n0 + 1).astype(u32) * sig_b.astype(u32)
+    d = lax.bitcast_convert_type(d, jnp.int32)
+    two_b = sig_b << 1
+    k = sum((d >= j * two_b).astype(jnp.int32) for j in (-2, -1, 0, 1, 2)) - 2
+    tie = d == (k - 1) * two_b
+    n = n0 + k - (tie & ((n0 + k) & 1 == 1)).astype(jnp.int32)
+    mag = ((ulp_field - 1) << F32_MANT_BITS) + n
+    mag = jnp.where(s < 0, 0, jnp.where(field > 254, F32_EXP_MASK, jnp.minimum(mag, F32_EXP_MASK)))
+    normal = ((field_a - 1).astype(u32) < 254) & ((field_b - 1).astype(u32) < 254)
+    return jnp.where(normal, bits_f32(mag | ((ab ^ bb) & ~F32_ABS_MASK)), q)
