@@ -14,7 +14,7 @@ from qformats._layout import explicit_sharding
 IEEE_DIVISION_PLATFORMS = ("cpu",)
 
 
-def div(a, b):
+def div(a, b, *, opaque=False):
     """IEEE ``a / b`` (correctly rounded float32), as numpy and torch compute it, on every backend.
 
     XLA on CPU rewrites a division by a constant or by a broadcast value (a scalar, or a block
@@ -28,6 +28,10 @@ def div(a, b):
     Off the platforms in ``IEEE_DIVISION_PLATFORMS`` the backend's quotient is not trusted to be
     correctly rounded (XLA on NVIDIA GPUs divides with PTX ``div.full.f32``) and is repaired with
     integer arithmetic (:func:`qformats._bits.round_quotient`).
+
+    ``opaque=True`` returns the quotient behind an optimization barrier, for a quotient that is
+    divided again: XLA rewrites ``(A / B) / C`` as ``A / (B * C)``, which rounds differently.
+    (Only for small arrays such as scales: the barrier also keeps the quotient out of fusions.)
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
@@ -40,7 +44,8 @@ def div(a, b):
     b = lax.optimization_barrier(jnp.where(a == a, b, b))
     # Chosen when lowering, so the compiled program holds one of the two.
     exact = {platform: _quotient for platform in IEEE_DIVISION_PLATFORMS}
-    return lax.platform_dependent(a, b, default=_rounded_quotient, **exact)
+    q = lax.platform_dependent(a, b, default=_rounded_quotient, **exact)
+    return lax.optimization_barrier(q) if opaque else q
 
 
 def _quotient(a, b):

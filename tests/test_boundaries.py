@@ -976,6 +976,28 @@ def test_round_quotient_subnormal_ties_and_overflow():
                 np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"/{d}, {k} ulps")
 
 
+# (tensor amax, block amax) whose two-level NVFP4 block scale (amax / 6) / tensor lands on the other
+# side of an E4M3 rounding midpoint than amax / (6 * tensor) (found by a NumPy search; 5 in 2e7).
+_CHAINED = [(1.341304, 0.502989), (3.5751653, 2.1706362), (3.8145916, 0.45979452), (4.3635073, 1.6363152)]
+
+
+def test_regression_nvfp4_block_scale_divides_twice():
+    """The block scale divides the block maximum by 6 and then by the tensor scale, as torchao does.
+    Under jit XLA rewrote ``(A / B) / C`` into ``A / (B * C)``; on these maxima that moved the E4M3
+    block code by one (and every element of the block with it)."""
+    fmt = qf.NVFP4
+    x = np.zeros((2 * len(_CHAINED), 16), F32)
+    x[0::2, 0], x[1::2, 0] = zip(*_CHAINED, strict=True)
+    for i, (t_amax, b_amax) in enumerate(_CHAINED):
+        rows = x[2 * i : 2 * i + 2]
+        tensor = F32(t_amax) / F32(6 * 448)
+        want = np.clip((F32(b_amax) / F32(6)) / tensor, 2**-6, 448).astype(ml_dtypes.float8_e4m3fn)
+        assert want != np.clip(F32(b_amax) / (F32(6) * tensor), 2**-6, 448).astype(ml_dtypes.float8_e4m3fn)
+        for how, quantize in (("eager", fmt.quantize), ("jit", jax.jit(fmt.quantize))):
+            got = np.asarray(quantize(jnp.asarray(rows))[1].block)[1, 0]
+            assert got.view(np.uint8) == want.view(np.uint8), (how, t_amax, b_amax, got, want)
+
+
 def test_int4_asymmetric_needs_2d():
     """Asymmetric int4 packs zero points along axis 0 of a 2-D weight: other ranks are refused by
     name (1-D raised an IndexError, 3-D a reshape TypeError)."""
