@@ -27,6 +27,9 @@ the run goes on to the next one):
 4. **quantize kernels**: ``jax.jit(fmt.quantize)`` and ``jax.jit(fmt.dequantize)`` of every format
    in ``qformats.list_formats()`` on an ``n x n`` float32 array, as a ratio to ``x * 2`` under jit
    on the same array (interleaved medians), with the bandwidth of ``x * 2`` (8 bytes per element).
+   Each quantize is also compiled with the backend's own float32 division (qformats repairs it to
+   the correctly rounded quotient off the CPU): its time against the repaired one (the repair's
+   cost) and how many data/scale entries the repair moved.
 5. **correctness**: for every matmul of sections 2-3, ``max|out - ref| / max|ref|`` where ``ref``
    is the float32 matmul (``Precision.HIGHEST``) of the dequantized operands (reported, not checked).
 
@@ -59,10 +62,11 @@ import numpy as np
 try:  # the environment and the raw GEMMs are still measured if the packages fail to import
     import qformats as qf
     import scalify
+    from qformats import _fmt_common
 
     IMPORT_ERROR = None
 except Exception:
-    qf = scalify = None
+    qf = scalify = _fmt_common = None
     IMPORT_ERROR = traceback.format_exc()
 
 DIMS = (((1,), (0,)), ((), ()))  # a plain (m, k) x (k, n) matmul
@@ -551,6 +555,19 @@ def section_mxfp8_matmul(bench: Bench) -> dict:
     return {"n": bench.n, "rows": rows}
 
 
+def compile_trusting_division(fn, *args):
+    """``fn`` compiled with the backend's float32 division taken as it is (qformats repairs it to
+    the correctly rounded quotient off the CPU; see docs/numerics.md, "GPU notes")."""
+    saved = _fmt_common.IEEE_DIVISION_PLATFORMS
+    _fmt_common.IEEE_DIVISION_PLATFORMS = (*saved, "cuda", "rocm")
+    jax.clear_caches()  # traces hold the division they were made with
+    try:
+        return jax.jit(fn).lower(*args).compile()
+    finally:
+        _fmt_common.IEEE_DIVISION_PLATFORMS = saved
+        jax.clear_caches()
+
+
 def section_quantize(bench: Bench) -> dict:
     need_packages()
     x = bench.gaussians()[0]
@@ -567,8 +584,16 @@ def section_quantize(bench: Bench) -> dict:
             quantize = jax.jit(fmt.quantize).lower(x).compile()
             data, scale = jax.block_until_ready(quantize(x))
             dequantize = jax.jit(fmt.dequantize).lower(data, scale).compile()
+            # the same quantize with the backend's own division, which qformats repairs off the CPU
+            trusted = compile_trusting_division(fmt.quantize, x)
+            row["repair_moved"] = [
+                int(np.sum(np.asarray(u) != np.asarray(v)))
+                for u, v in zip(jax.tree.leaves((data, scale)), jax.tree.leaves(trusted(x)), strict=True)
+            ]
             t = interleaved_times(
-                {"quantize": (quantize, (x,)), "x2": (times_two, (x,))}, max(bench.repeats, 21), bench.warmup
+                {"quantize": (quantize, (x,)), "unrepaired": (trusted, (x,)), "x2": (times_two, (x,))},
+                max(bench.repeats, 21),
+                bench.warmup,
             )
             t2 = interleaved_times(
                 {"dequantize": (dequantize, (data, scale)), "x2": (times_two, (x,))},
@@ -579,6 +604,8 @@ def section_quantize(bench: Bench) -> dict:
                 quantize_s=t["quantize"],
                 x2_s=t["x2"],
                 quantize_ratio=t["quantize"] / t["x2"],
+                unrepaired_s=t["unrepaired"],
+                repair_cost=t["quantize"] / t["unrepaired"],
                 x2_gbps=8.0 * x.size / t["x2"] / 1e9,
                 dequantize_s=t2["dequantize"],
                 x2_dq_s=t2["x2"],
@@ -586,6 +613,7 @@ def section_quantize(bench: Bench) -> dict:
             )
             log(
                 f"  {name:<18} quantize {row['quantize_ratio']:6.2f}x  dequantize {row['dequantize_ratio']:6.2f}x"
+                f"  division repair {row['repair_cost']:.2f}x (moved {row['repair_moved']})"
                 f"  (x*2 {row['x2_s'] * 1e3:.3f} ms, {row['x2_gbps']:.0f} GB/s)"
             )
             del data, scale
