@@ -976,6 +976,44 @@ def test_round_quotient_subnormal_ties_and_overflow():
                 np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"/{d}, {k} ulps")
 
 
+# -- large random tensors --------------------------------------------------------------------------------
+def _large_inputs(n):
+    """Four 2-D float32 inputs: standard normal, rows scaled by 2**-30..2**30, Student t (2 degrees of
+    freedom: heavy tails) and bfloat16-representable normal values (many exact ties)."""
+    rng = np.random.default_rng(123)
+    return {
+        "normal": rng.standard_normal((n, n)).astype(F32),
+        "row-scaled": (rng.standard_normal((n, n)) * np.exp2(rng.integers(-30, 30, (n, 1)))).astype(F32),
+        "heavy": rng.standard_t(2, (n, n)).astype(F32),
+        "bf16": rng.standard_normal((n, n)).astype(ml_dtypes.bfloat16).astype(F32),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ALL_VARIANTS, ids=variant_id)
+def test_large_random_tensors_against_reference(fmt):
+    """Every format and mode under jit on 2048x2048 tensors of four kinds, against the reference:
+    rare coincidences (an XLA rewrite that moves one block in a million) need this many blocks.
+    Two-level NVFP4 also runs the 4096x4096 normal tensor whose block (2487, 127) XLA's merged
+    division moved (`test_regression_nvfp4_block_scale_divides_twice`)."""
+    inputs = _large_inputs(2048)
+    if coupled(fmt) and isinstance(fmt, qf.NVFP4Format):
+        inputs["normal 4096"] = np.random.default_rng(0).standard_normal((4096, 4096)).astype(F32)
+    for name, x in inputs.items():
+        deq, elems, scale = run(fmt, x, jit=True)
+        check_tensor(fmt, x, deq, elems, scale, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", INEXACT_VARIANTS, ids=variant_id)
+def test_large_random_tensors_with_an_inexact_division(fmt, inexact_division):
+    """The same tensors through the repaired 2-ulp division (as on a GPU)."""
+    inexact_division(True)
+    for name, x in _large_inputs(2048).items():
+        deq, elems, scale = run(fmt, x, jit=True)
+        check_tensor(fmt, x, deq, elems, scale, name)
+
+
 # (tensor amax, block amax) whose two-level NVFP4 block scale (amax / 6) / tensor lands on the other
 # side of an E4M3 rounding midpoint than amax / (6 * tensor) (found by a NumPy search; 5 in 2e7).
 _CHAINED = [(1.341304, 0.502989), (3.5751653, 2.1706362), (3.8145916, 0.45979452), (4.3635073, 1.6363152)]
