@@ -9,7 +9,7 @@ from jax import lax
 from qformats._bits import round_quotient
 from qformats._layout import explicit_sharding
 
-# Backends whose float32 division XLA compiles to the IEEE one (x86/Arm ``divps``). Elsewhere (NVIDIA
+# Backends whose float32 division XLA compiles to a hardware IEEE divide (the CPU). Elsewhere (NVIDIA
 # GPUs: PTX ``div.full.f32``, within 2 ulps) the quotient is repaired to the correctly rounded one.
 IEEE_DIVISION_PLATFORMS = ("cpu",)
 
