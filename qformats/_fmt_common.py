@@ -14,24 +14,25 @@ from qformats._layout import explicit_sharding
 IEEE_DIVISION_PLATFORMS = ("cpu",)
 
 
-def div(a, b, *, opaque=False):
-    """IEEE ``a / b`` (correctly rounded float32), as numpy and torch compute it, on every backend.
+def div(a, b):
+    """IEEE ``a / b`` (correctly rounded float32) of the values ``a`` and ``b`` hold, as numpy and
+    torch compute it, on every backend and whatever program produced the operands.
 
-    XLA on CPU rewrites a division by a constant or by a broadcast value (a scalar, or a block
-    scale expanded to its elements) into a multiplication by the reciprocal, which can differ in
-    the last bit; producers divide. The divisor is therefore broadcast to the result's shape
-    behind an optimization barrier, which XLA cannot see through. It is broadcast by a select on
-    a predicate computed from the dividend, not with ``broadcast_to``: under ``vmap`` an unbatched
-    divisor would stay unbatched through ``broadcast_to`` (and ``ones_like``), and vmap's own
-    broadcast, outside the barrier, would be rewritten again.
+    Two XLA rewrites change a quotient in the last bit, and both operands are therefore passed
+    through one optimization barrier, which XLA cannot see through:
+
+    * on CPU a division by a constant or by a broadcast value (a scalar, or a block scale expanded
+      to its elements) becomes a multiplication by the reciprocal. The divisor is broadcast to the
+      result's shape inside the barrier, by a select on a predicate computed from the dividend,
+      not with ``broadcast_to``: under ``vmap`` an unbatched divisor would stay unbatched through
+      ``broadcast_to`` (and ``ones_like``), and vmap's own broadcast, outside the barrier, would be
+      rewritten again;
+    * ``(A / B) / C`` becomes ``A / (B * C)``: a block maximum divided by 6 and then by NVFP4's
+      tensor scale, or a user's ``a / c`` fused into a quantization that divides by its scale.
 
     Off the platforms in ``IEEE_DIVISION_PLATFORMS`` the backend's quotient is not trusted to be
     correctly rounded (XLA on NVIDIA GPUs divides with PTX ``div.full.f32``) and is repaired with
     integer arithmetic (:func:`qformats._bits.round_quotient`).
-
-    ``opaque=True`` returns the quotient behind an optimization barrier, for a quotient that is
-    divided again: XLA rewrites ``(A / B) / C`` as ``A / (B * C)``, which rounds differently.
-    (Only for small arrays such as scales: the barrier also keeps the quotient out of fusions.)
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
@@ -41,11 +42,10 @@ def div(a, b, *, opaque=False):
         # With explicit sharding the select's predicate and cases must share one sharding: the
         # divisor is broadcast into the dividend's (a per-channel scale of a sharded weight).
         b = lax.broadcast_in_dim(b, a.shape, tuple(range(a.ndim - b.ndim, a.ndim)), out_sharding=sharding)
-    b = lax.optimization_barrier(jnp.where(a == a, b, b))
+    a, b = lax.optimization_barrier((a, jnp.where(a == a, b, b)))
     # Chosen when lowering, so the compiled program holds one of the two.
     exact = {platform: _quotient for platform in IEEE_DIVISION_PLATFORMS}
-    q = lax.platform_dependent(a, b, default=_rounded_quotient, **exact)
-    return lax.optimization_barrier(q) if opaque else q
+    return lax.platform_dependent(a, b, default=_rounded_quotient, **exact)
 
 
 def _quotient(a, b):

@@ -101,7 +101,7 @@ class NVFP4CheckpointFormat(ScaledFormat):
             code = jnp.where(_E4M3.decode(code) == 0, _E4M3.encode(jnp.float32(0.125)), code)  # E4M3 eps
         else:
             g = jnp.where(amax == 0, np.float32(1), div(amax, six * e4max))
-            bs = jnp.clip(div(div(bmax, six, opaque=True), g), np.float32(2.0**-9), e4max)
+            bs = jnp.clip(div(div(bmax, six), g), np.float32(2.0**-9), e4max)
             code = _E4M3.encode(jnp.where(bmax == 0, np.float32(1), bs))
         g = jnp.where(finite, g, np.float32(np.nan))
         eff = self._effective(code, g)

@@ -126,9 +126,9 @@ class NVFP4Format(ScaledFormat):
         ``(1, tensor * block)`` where that product is a normal float32, else
         ``(2**32, (tensor * 2**32) * block)``."""
         # True divisions (div), as torchao computes them; XLA would multiply by reciprocals. The
-        # block maximum is divided twice (by 6, then by the tensor scale): opaque keeps XLA from
+        # block maximum is divided twice (by 6, then by the tensor scale), and div keeps XLA from
         # making that one division by 6 * tensor.
-        block_scale = div(amax, _FP4.max_value, opaque=self.tensor_scale)
+        block_scale = div(amax, _FP4.max_value)
         if self.tensor_scale:
             finite = amax <= np.finfo(np.float32).max
             # The tensor amax over the finite values: the block maxima's where every block is
@@ -144,7 +144,7 @@ class NVFP4Format(ScaledFormat):
                 tensor = jnp.where(jnp.any(jnp.isnan(amax)), np.float32(np.nan), tensor)
             # amax / 6 is subnormal below 6 * 2**-126 (and reads as 0 here): divide lifted values.
             low = amax < np.float32(_FP4.max_value * _F32_TINY)
-            lifted = div(div(amax * _SUB_LIFT, _FP4.max_value, opaque=True), tensor * _SUB_LIFT)
+            lifted = div(div(amax * _SUB_LIFT, _FP4.max_value), tensor * _SUB_LIFT)
             block_scale = jnp.where(low, lifted, div(block_scale, tensor))
         else:
             tensor = jnp.float32(1)

@@ -14,6 +14,14 @@ torch and torchao are NOT dependencies of this repository; run the script in its
 
 (the committed vectors were made with torch 2.13.0+cpu, torchao 0.18.0, numpy 2.x).
 
+The committed vectors are small. To check the recipes at training sizes, write vectors of any shape and
+input distribution to another folder and point the same tests at it (the files are large: keep them out
+of the repository)::
+
+    .../torchao-venv/bin/python scripts/make_recipe_vectors.py --out /tmp/big --shape 1024 2048 1536 \
+        --inputs edges normal rows bf16 student_t
+    QFORMATS_RECIPE_VECTORS=/tmp/big python -m pytest tests/recipes/test_torchao_vectors.py
+
 How operands are captured: the script runs the real end-to-end path (the converted ``nn.Linear`` forward
 and backward, or the ``mx_mm`` autograd function for MXFP4) and wraps torchao's own quantizer
 (``torchao.prototype.mx_formats.mx_tensor.to_mx`` resp. ``torchao.float8.float8_linear.hp_tensor_to_float8_dynamic``)
@@ -61,12 +69,33 @@ FP4 = torch.float4_e2m1fn_x2
 E4M3 = torch.float8_e4m3fn
 
 
-def make_inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """randn operands with outliers, an all-zero MX block, zero rows/columns (EPS path) and tiny values."""
+def make_inputs(
+    m: int, k: int, n: int, seed: int, kind: str = "edges"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """randn x, w * 0.05, dy * 1e-3, then shaped by ``kind``.
+
+    ``edges`` (the committed vectors): outliers, an all-zero MX block, zero rows/columns (EPS path),
+    tiny values and amaxes one ulp off the RCEIL / pow2 boundaries. ``normal``: nothing more.
+    ``rows``: rows of x and dy and columns of w scaled by 2**j, j uniform in [-12, 12] (a wide range
+    between the scales of one tensor). ``bf16``: every value rounded to bfloat16 (exact ties of the
+    element grids are common). ``student_t``: x heavy-tailed (3 degrees of freedom).
+    """
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) * 0.05
     dy = torch.randn(m, n, generator=g) * 1e-3
+    if kind == "normal":
+        return x, w, dy
+    if kind == "rows":
+        octaves = [torch.randint(-12, 13, shape, generator=g).float() for shape in ((m, 1), (1, k), (m, 1))]
+        return x * torch.exp2(octaves[0]), w * torch.exp2(octaves[1]), dy * torch.exp2(octaves[2])
+    if kind == "bf16":
+        return x.bfloat16().float(), w.bfloat16().float(), dy.bfloat16().float()
+    if kind == "student_t":
+        chi2 = torch.distributions.Chi2(torch.tensor(3.0)).sample((m, k))  # uses torch's global generator
+        return x / torch.sqrt(chi2 / 3), w, dy
+    if kind != "edges":
+        raise ValueError(f"unknown --inputs {kind!r}: use one of {INPUT_KINDS}")
     x[3, 5] = 48.0  # outliers
     x[m // 2, k - 1] = -300.0
     w[7, 9] = 1.5
@@ -380,42 +409,55 @@ RECIPES = {
     "float8_rowwise_with_gw_hp": lambda x, w, dy: run_f8(x, w, dy, "rowwise_with_gw_hp"),
 }
 CASES = [((64, 128, 96), list(RECIPES)), ((128, 256, 160), ["mxfp8_rceil"])]
+INPUT_KINDS = ("edges", "normal", "rows", "bf16", "student_t")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "recipes" / "vectors"))
     ap.add_argument("--only", nargs="*", help="recipe names to (re)generate")
+    ap.add_argument("--shape", nargs=3, type=int, metavar=("M", "K", "N"), help="one shape, every recipe")
+    ap.add_argument("--inputs", nargs="*", default=["edges"], choices=INPUT_KINDS, help="input distributions")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    for (m, k, n), names in CASES:
+    cases = [(tuple(args.shape), list(RECIPES))] if args.shape else CASES
+    for (m, k, n), names in cases:
         seed = 1000 * m + n
-        x, w, dy = make_inputs(m, k, n, seed)
-        for name in names:
-            if args.only and name not in args.only:
-                continue
-            outs, arrays, meta = RECIPES[name](x, w, dy)
-            meta = dict(
-                recipe=name,
-                shapes=dict(M=m, K=k, N=n, x=[m, k], w=[n, k], dy=[m, n]),
-                inputs=f"make_inputs({m}, {k}, {n}, seed={seed}) in scripts/make_recipe_vectors.py",
-                versions=versions(),
-                torch_num_threads=1,
-                **meta,
-            )
-            path = out / f"{name}_{m}x{k}x{n}.npz"
-            np.savez_compressed(
-                path,
-                x=x.numpy(),
-                w=w.numpy(),
-                dy=dy.numpy(),
-                **{key: v.numpy() for key, v in outs.items()},
-                **arrays,
-                meta=np.array(json.dumps(meta, indent=1)),
-            )
-            print(f"{path.name}: {path.stat().st_size // 1024} KiB check={meta['check']}")
+        for kind in args.inputs:
+            torch.manual_seed(seed)
+            x, w, dy = make_inputs(m, k, n, seed, kind)
+            for name in names:
+                if args.only and name not in args.only:
+                    continue
+                write(out, name, (m, k, n), kind, seed, x, w, dy)
+
+
+def write(out: Path, name: str, mkn: tuple[int, int, int], kind: str, seed: int, x, w, dy) -> None:
+    """Run one recipe and save its npz; a kind other than ``edges`` is named after the shape."""
+    m, k, n = mkn
+    outs, arrays, meta = RECIPES[name](x, w, dy)
+    meta = dict(
+        recipe=name,
+        shapes=dict(M=m, K=k, N=n, x=[m, k], w=[n, k], dy=[m, n]),
+        inputs=f"make_inputs({m}, {k}, {n}, seed={seed}, kind={kind!r}) in scripts/make_recipe_vectors.py",
+        versions=versions(),
+        torch_num_threads=1,
+        **meta,
+    )
+    suffix = "" if kind == "edges" else f"-{kind}"
+    path = out / f"{name}_{m}x{k}x{n}{suffix}.npz"
+    np.savez_compressed(
+        path,
+        x=x.numpy(),
+        w=w.numpy(),
+        dy=dy.numpy(),
+        **{key: v.numpy() for key, v in outs.items()},
+        **arrays,
+        meta=np.array(json.dumps(meta, indent=1)),
+    )
+    print(f"{path.name}: {path.stat().st_size // 1024} KiB check={meta['check']}", flush=True)
 
 
 if __name__ == "__main__":

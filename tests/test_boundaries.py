@@ -1041,6 +1041,55 @@ def test_regression_nvfp4_block_scale_divides_twice():
             assert got.view(np.uint8) == want.view(np.uint8), (how, t_amax, b_amax, got, want)
 
 
+def _quotient_operands(n):
+    """``a`` (the four large inputs) and a divisor ``c`` uniform in [0.5, 1.5), for ``a / c``."""
+    return _large_inputs(n), (np.random.default_rng(5).random((n, n)) + 0.5).astype(F32)
+
+
+def test_regression_quantize_of_a_quotient():
+    """A user's ``x = a / c`` fed to int8 per channel, which divides ``x`` by its channel scale ``s``:
+    under jit XLA fused the two divisions into ``a / (c * s)``, which rounds differently, and these
+    int8 codes came out one step off those of the ``x`` the program computes (the columns of the
+    2048x2048 inputs where a search found them)."""
+    inputs, c = _quotient_operands(2048)
+    cases = {"normal": ([495, 592], [1918, 1048]), "bf16": ([36, 115, 160], [2046, 373, 1766])}
+    runs = {
+        "eager": lambda a, c: qf.INT8_PER_CHANNEL.quantize(jnp.asarray(a) / jnp.asarray(c)),
+        "jit": jax.jit(lambda a, c: qf.INT8_PER_CHANNEL.quantize(a / c)),
+    }
+    for kind, (rows, cols) in cases.items():
+        a, cc = inputs[kind][:, cols], c[:, cols]
+        x = a / cc  # numpy's float32 quotient, which is also jax's (no broadcast)
+        s = np.abs(x).max(axis=0) / F32(127)
+        want = np.clip(np.rint(x / s), -127, 127)
+        merged = np.clip(np.rint(a / (cc * s)), -127, 127)
+        at = (rows, list(range(len(cols))))
+        assert np.all(want[at] != merged[at]), "the inputs changed: these are no longer the moved codes"
+        for how, quantize_quotient in runs.items():
+            data, scale = quantize_quotient(a, cc)
+            np.testing.assert_array_equal(np.asarray(scale).reshape(-1), s, err_msg=how)
+            np.testing.assert_array_equal(np.asarray(data), want, err_msg=how)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fmt", ALL_VARIANTS + [qf.get_format(n) for n in ALL_FORMATS if n not in FORMATS], ids=variant_id
+)
+def test_large_random_tensors_quotient_producer(fmt):
+    """``quantize(a / c)`` under one jit equals ``quantize`` of the quotient the program computes, for
+    every format and mode, checkpoint formats included: XLA must not merge the producer's division
+    with the format's (int8 per channel and the compressed-tensors FP8 formats moved before)."""
+    inputs, c = _quotient_operands(2048)
+    divide, quantize = jax.jit(lambda a, c: a / c), jax.jit(fmt.quantize)
+    fused = jax.jit(lambda a, c: fmt.quantize(a / c))
+    for kind, a in inputs.items():
+        want, got = jax.tree_util.tree_leaves(quantize(divide(a, c))), jax.tree_util.tree_leaves(fused(a, c))
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            w, g = np.asarray(w), np.asarray(g)
+            bits = f"u{w.dtype.itemsize}"
+            np.testing.assert_array_equal(g.view(bits), w.view(bits), err_msg=f"{kind} leaf {i}")
+
+
 def test_int4_asymmetric_needs_2d():
     """Asymmetric int4 packs zero points along axis 0 of a 2-D weight: other ranks are refused by
     name (1-D raised an IndexError, 3-D a reshape TypeError)."""
