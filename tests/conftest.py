@@ -4,6 +4,7 @@ import os
 
 import jax
 import pytest
+from gpu_division import inexact_division  # noqa: F401  (a fixture for every test folder)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_division import exact_quotient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -847,60 +848,6 @@ def _tie_mismatches():
 
 
 # -- division on backends whose float32 quotient is not correctly rounded --------------------------------
-def _exact_quotient(a, b):
-    """NumPy's IEEE float32 ``a / b``, subnormal quotients included, wherever it runs: the float64
-    quotient (correctly rounded: 53 >= 2 * 24 + 2 bits) rounded to float32 in integers below
-    float32's smallest normal, since XLA's CPU threads (where callbacks run) flush subnormals."""
-    with np.errstate(all="ignore"):
-        wide = []
-        for v in (a, b):
-            bits = v.view(np.uint32)
-            field, mant = (bits >> 23) & 0xFF, (bits & 0x7FFFFF).astype(np.float64)
-            mag = np.where(field > 0, np.ldexp(mant + 2.0**23, field.astype(np.int32) - 150), np.ldexp(mant, -149))
-            wide.append(np.where(field == 255, np.abs(v).astype(np.float64), mag) * np.where(bits >> 31, -1.0, 1.0))
-        q = wide[0] / wide[1]
-        small = np.abs(q) < 2.0**-126
-        units = np.rint(np.abs(np.where(small, q, 0)) * 2.0**149).astype(np.uint32)
-        sub = (units | np.where(np.signbit(q), np.uint32(0x80000000), np.uint32(0))).view(F32)
-        return np.where(small, sub, q.astype(F32))
-
-
-def _nudged_quotient(a, b):
-    """The exact ``a / b`` moved by -2..2 ulps (a hash of the operands' bits picks how far): a
-    division within 2 ulps, as PTX ``div.full.f32`` (XLA's float32 division on NVIDIA GPUs) is
-    specified, subnormal quotients included (XLA on CPU flushes them; a GPU does not)."""
-
-    def nudged(a, b):
-        a, b = np.broadcast_arrays(np.asarray(a, F32), np.asarray(b, F32))
-        q = _exact_quotient(a, b)
-        with np.errstate(over="ignore"):  # the hash wraps
-            h = (a.view(np.uint32) * np.uint32(0x9E3779B1)) ^ b.view(np.uint32)
-            k = ((h * np.uint32(0x85EBCA77)) >> np.uint32(29)).astype(np.int64) % 5 - 2
-        mag = q.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        moved = np.clip(mag.astype(np.int64) + k, 0, 0x7F7FFFFF).astype(np.uint32)
-        moved = (moved | (q.view(np.uint32) & np.uint32(0x80000000))).view(F32)
-        return np.where(mag < 0x7F800000, moved, q)
-
-    out = jax.ShapeDtypeStruct(jnp.broadcast_shapes(a.shape, b.shape), jnp.float32)
-    return jax.pure_callback(nudged, out, a, b, vmap_method="broadcast_all")
-
-
-@pytest.fixture
-def inexact_division(monkeypatch):
-    """Make the CPU divide as an NVIDIA GPU does (within 2 ulps); yields a function that sets
-    whether qformats repairs the quotient there (as it does off the CPU)."""
-    from qformats import _fmt_common
-
-    monkeypatch.setattr(_fmt_common, "_quotient", _nudged_quotient)
-
-    def repair(on):
-        monkeypatch.setattr(_fmt_common, "IEEE_DIVISION_PLATFORMS", () if on else ("cpu",))
-        jax.clear_caches()  # traced branches hold the division they were traced with
-
-    yield repair
-    jax.clear_caches()
-
-
 def test_division_ties_with_an_inexact_division(inexact_division):
     """The tie cases above with a division that is off by up to 2 ulps: unrepaired, codes move (the
     H100 run of scripts/gpu_torchao_nvfp4.py saw 470-794 per bfloat16 NVFP4 case); repaired, as on
@@ -952,7 +899,7 @@ def test_round_quotient_repairs_any_guess_within_2_ulps(seed, k, kind):
         lo, hi = (-40, 40) if kind == "tame" else (-126, -100)
         a = (rng.standard_normal(4096) * np.exp2(rng.integers(lo, hi, 4096))).astype(F32)
         b = (rng.standard_normal(4096) * np.exp2(rng.integers(0, 30 if kind == "tiny" else 1, 4096))).astype(F32)
-    want = _exact_quotient(a, b)
+    want = exact_quotient(a, b)
     q = _ulps_from(want, k)
     got = np.asarray(jax.jit(round_quotient)(a, b, q))
     want = np.where(_normal(a) & _normal(b), want, q)
@@ -970,7 +917,7 @@ def test_round_quotient_subnormal_ties_and_overflow():
     for a, divisors in ((tiny, (2, 4, 3, 1.5, 0.75, 6, 5, 2.0**20)), (huge, (0.5, 0.25, 0.75, 1 - 2.0**-24))):
         for d in divisors:
             b = np.full_like(a, F32(d))
-            want = _exact_quotient(a, b)
+            want = exact_quotient(a, b)
             for k in (-2, -1, 1, 2):
                 got = np.asarray(jax.jit(round_quotient)(a, b, _ulps_from(want, k)))
                 np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"/{d}, {k} ulps")
