@@ -25,6 +25,28 @@ def f32_bits(x):
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
 
+def round_to(x, dtype):
+    """Float32 ``x`` rounded to ``dtype`` (float32, bfloat16 or float16; nearest, ties to even,
+    subnormals and overflow included) and returned as float32, as ``x.astype(dtype).astype(f32)``.
+
+    Not written as that round trip: XLA may drop it (``xla_allow_excess_precision``, on by default),
+    and on CPU its reduction fusions do, so a rounding a torch producer performs in bfloat16 would be
+    skipped in some programs and not in others. ``reduce_precision`` is kept; it rounds float16's
+    subnormals differently, so those (``|x| < 2**-14``, a grid of ``2**-24``) round on their own.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return x
+    if dtype == jnp.bfloat16:
+        return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    if dtype == jnp.float16:
+        sub = jnp.round(x * np.float32(2.0**24)) * np.float32(2.0**-24)
+        normal = lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10)
+        return jnp.where(jnp.abs(x) < np.float32(2.0**-14), sub, normal)
+    raise ValueError(f"round_to: dtype {dtype} is not float32, bfloat16 or float16")
+
+
 def bits_f32(b):
     """Float32 array whose bit pattern is the int32 array ``b``."""
     return lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)

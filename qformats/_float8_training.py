@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _bits, _elements, _layout
-from qformats._fmt_common import div
+from qformats._fmt_common import div, mul
 from qformats._format import ScaledFormat
 
 
@@ -66,7 +66,7 @@ class ReciprocalScaleFloat8(ScaledFormat):
         x = jnp.asarray(x).astype(jnp.float32)
         block = self.block_shape(x.shape)
         r = self.reciprocal_scale(_layout.block_amax(x, block, exact=True))
-        data = self.element.encode(x * _layout.expand(r, x.shape, block))
+        data = self.element.encode(mul(x, _layout.expand(r, x.shape, block)))
         # the block grid keeps the input's rank, (1, ..., 1) per tensor; the layout's scale shape is ()
         return data, _layout.reshape(r, self.scale_shape(x.shape))
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the formats: the division every producer's rounding depends on."""
+"""Helpers shared by the formats: the division and product every producer's rounding depends on."""
 
 from __future__ import annotations
 
@@ -18,15 +18,11 @@ def div(a, b):
     """IEEE ``a / b`` (correctly rounded float32) of the values ``a`` and ``b`` hold, as numpy and
     torch compute it, on every backend and whatever program produced the operands.
 
-    Two XLA rewrites change a quotient in the last bit, and both operands are therefore passed
-    through one optimization barrier, which XLA cannot see through:
+    Two XLA rewrites change a quotient in the last bit, and the operands are therefore held
+    (:func:`_held`):
 
     * on CPU a division by a constant or by a broadcast value (a scalar, or a block scale expanded
-      to its elements) becomes a multiplication by the reciprocal. The divisor is broadcast to the
-      result's shape inside the barrier, by a select on a predicate computed from the dividend,
-      not with ``broadcast_to``: under ``vmap`` an unbatched divisor would stay unbatched through
-      ``broadcast_to`` (and ``ones_like``), and vmap's own broadcast, outside the barrier, would be
-      rewritten again;
+      to its elements) becomes a multiplication by the reciprocal;
     * ``(A / B) / C`` becomes ``A / (B * C)``: a block maximum divided by 6 and then by NVFP4's
       tensor scale, or a user's ``a / c`` fused into a quantization that divides by its scale.
 
@@ -34,18 +30,42 @@ def div(a, b):
     correctly rounded (XLA on NVIDIA GPUs divides with PTX ``div.full.f32``) and is repaired with
     integer arithmetic (:func:`qformats._bits.round_quotient`).
     """
+    a, b = _held(a, b)
+    # Chosen when lowering, so the compiled program holds one of the two.
+    exact = {platform: _quotient for platform in IEEE_DIVISION_PLATFORMS}
+    return lax.platform_dependent(a, b, default=_rounded_quotient, **exact)
+
+
+def mul(a, b):
+    """IEEE ``a * b`` of the values ``a`` and ``b`` hold, whatever program produced them.
+
+    XLA reassociates a product with a constant factor: a user's ``x = a * c`` (``c`` a constant, a
+    softmax temperature or ``1 / sqrt(d)``) fed to a quantization that multiplies ``x`` by its
+    runtime scale ``r`` (a scalar or a broadcast row) is computed as ``a * (c * r)``, which rounds
+    differently from ``x * r``. The operands are therefore held (:func:`_held`).
+    """
+    a, b = _held(a, b)
+    return a * b
+
+
+def _held(a, b):
+    """``a`` and ``b`` as float32, ``b`` broadcast to the common shape, both through one optimization
+    barrier, which XLA cannot see through: an operation on them is not merged with their producers.
+
+    The second operand is broadcast inside the barrier, by a select on a predicate computed from the
+    first, not with ``broadcast_to``: under ``vmap`` an unbatched operand would stay unbatched
+    through ``broadcast_to`` (and ``ones_like``), and vmap's own broadcast, outside the barrier,
+    would be rewritten again.
+    """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
     a = jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, b.shape))
     sharding = explicit_sharding(a)
     if sharding is not None:
         # With explicit sharding the select's predicate and cases must share one sharding: the
-        # divisor is broadcast into the dividend's (a per-channel scale of a sharded weight).
+        # second operand is broadcast into the first's (a per-channel scale of a sharded weight).
         b = lax.broadcast_in_dim(b, a.shape, tuple(range(a.ndim - b.ndim, a.ndim)), out_sharding=sharding)
-    a, b = lax.optimization_barrier((a, jnp.where(a == a, b, b)))
-    # Chosen when lowering, so the compiled program holds one of the two.
-    exact = {platform: _quotient for platform in IEEE_DIVISION_PLATFORMS}
-    return lax.platform_dependent(a, b, default=_rounded_quotient, **exact)
+    return lax.optimization_barrier((a, jnp.where(a == a, b, b)))
 
 
 def _quotient(a, b):

@@ -39,12 +39,6 @@ def _check_global(instance, attribute, value):
         raise ValueError(f"global_scale={value!r}; choose one of {_GLOBAL_MODES}")
 
 
-def _round_to(x, dtype):
-    """``x`` (float32) rounded to ``dtype`` and back to float32 (no-op for float32)."""
-    dtype = jnp.dtype(dtype)
-    return x if dtype == jnp.float32 else x.astype(dtype).astype(jnp.float32)
-
-
 @attrs.frozen
 class NVFP4CheckpointFormat(ScaledFormat):
     """NVFP4 as stored by compressed-tensors (``global_scale="divisor"``) or ModelOpt (``"multiplier"``).
@@ -95,8 +89,8 @@ class NVFP4CheckpointFormat(ScaledFormat):
             g = np.float32(e4max * six) / jnp.where(amax == 0, np.float32(1), amax)
             g = jnp.where(amax == 0, np.float32(1), g)
             wide = in_dtype if in_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-            g = _round_to(g, wide)
-            bs = jnp.clip(_round_to(div(bmax, six), wide) * g, -e4max, e4max)
+            g = _bits.round_to(g, wide)
+            bs = jnp.clip(_bits.round_to(div(bmax, six), wide) * g, -e4max, e4max)
             code = _E4M3.encode(bs)
             code = jnp.where(_E4M3.decode(code) == 0, _E4M3.encode(jnp.float32(0.125)), code)  # E4M3 eps
         else:

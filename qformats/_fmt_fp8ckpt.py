@@ -21,7 +21,7 @@ import attrs
 import jax.numpy as jnp
 import numpy as np
 
-from qformats import _elements, _layout
+from qformats import _bits, _elements, _layout
 from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
@@ -140,12 +140,11 @@ class FP8CheckpointFormat(ScaledFormat):
         x = jnp.asarray(x).astype(jnp.float32)
         sd = jnp.dtype(self.scale_dtype)
         amax = self._amax(x)
-        scale = div(amax, _E4M3.max_value).astype(sd)
-        eps = np.float32(jnp.finfo(sd).eps)
-        scale = jnp.where(scale.astype(jnp.float32) == 0, eps.astype(sd), scale)
-        v = div(x, self._expand(scale.astype(jnp.float32), x.shape)).astype(sd).astype(jnp.float32)
+        s32 = _bits.round_to(div(amax, _E4M3.max_value), sd)
+        s32 = jnp.where(s32 == 0, np.float32(jnp.finfo(sd).eps), s32)
+        v = _bits.round_to(div(x, self._expand(s32, x.shape)), sd)
         data = _E4M3.encode(jnp.clip(v, -_E4M3.max_value, _E4M3.max_value))
-        return data, scale
+        return data, s32.astype(sd)
 
     def decode(self, data):
         return _E4M3.decode(data)

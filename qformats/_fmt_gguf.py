@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _elements, _layout
-from qformats._fmt_common import div
+from qformats._fmt_common import div, mul
 from qformats._format import ScaledFormat
 
 Q8_ELEMENT = _elements.IntElement("int8", bits=8, step=1.0, qmax=127)
@@ -54,7 +54,7 @@ class GGUFQ8_0Format(ScaledFormat):
         b = _blocks(x)
         d = div(_layout.block_amax(x, self.block_shape(x.shape), exact=True), 127)
         inv = jnp.where(d == 0, np.float32(0), div(1, jnp.where(d == 0, np.float32(1), d)))
-        v = b * inv[..., None]
+        v = mul(b, inv[..., None])
         a = jnp.abs(v)
         fl = jnp.floor(a)
         r = fl + jnp.floor(np.float32(2) * (a - fl))  # roundf: half away from zero
@@ -73,6 +73,31 @@ def _unpack_q4(data):
     b = _blocks(jnp.asarray(data), 16)
     q = jnp.concatenate([b & 0xF, b >> 4], axis=-1).astype(jnp.int32) - 8
     return q.reshape(*data.shape[:-1], data.shape[-1] * 2)
+
+
+def _q4_thresholds():
+    """``T[n - 1] = min{p in float32 : fl(p + 8.5) >= n}`` for ``n = 1..15``, found with NumPy's
+    float32 addition (IEEE, never fused): ``fl(p + 8.5)`` is monotone in ``p``, so
+    ``min(15, trunc(fl(p + 8.5))) = #{n : p >= T[n - 1]}`` for ``p >= -8.5``."""
+    out = []
+    for n in range(1, 16):
+        p = np.float32(n - 8.5)
+        while np.float32(np.nextafter(p, np.float32(-np.inf)) + np.float32(8.5)) >= n:
+            p = np.nextafter(p, np.float32(-np.inf))
+        out.append(p)
+    return np.array(out, np.float32)
+
+
+_Q4_THRESHOLDS = _q4_thresholds()
+
+
+def _q4_codes(p):
+    """ggml's ``min(15, trunc(p + 8.5))`` (``p = x * id``, the sum rounded to float32 before the
+    truncation), as int32 in ``[0, 15]``, counted against :data:`_Q4_THRESHOLDS`: XLA would contract
+    ``x * id + 8.5`` into one fused multiply-add, which truncates one code lower where ``x * id``
+    rounds onto a half-integer (75 of a million bfloat16-valued weights), and a comparison cannot be
+    contracted. ``p < -8.5`` (only through rounding) gives 0, as ggml's clamp does."""
+    return jnp.sum(p[..., None] >= _Q4_THRESHOLDS, axis=-1, dtype=jnp.int32)
 
 
 def _pack_q4(q):
@@ -113,8 +138,7 @@ class GGUFQ4_0Format(ScaledFormat):
         m = jnp.take_along_axis(b, i[..., None], axis=-1)[..., 0]
         d = div(m, -8)
         inv = jnp.where(d == 0, np.float32(0), div(1, jnp.where(d == 0, np.float32(1), d)))
-        t = jnp.trunc(b * inv[..., None] + np.float32(8.5))
-        q = jnp.clip(t, 0, 15).astype(jnp.int32) - 8
+        q = _q4_codes(mul(b, inv[..., None])) - 8
         return _pack_q4(q.reshape(x.shape)), d.astype(jnp.float16)
 
     def decode(self, data):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qformats import _elements, _layout
+from qformats import _bits, _elements, _layout
 from qformats._fmt_common import div
 from qformats._format import ScaledFormat
 
@@ -116,7 +116,7 @@ class Int4GroupFormat(ScaledFormat):
         sd = jnp.dtype(self.scale_dtype)
 
         def r(v):  # one torch operation in the scale dtype: computed in float32, rounded to sd
-            return v.astype(sd).astype(jnp.float32)
+            return _bits.round_to(v, sd)
 
         block = self.block_shape(x.shape)
         eps = np.float32(jnp.finfo(sd).eps)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _bits, _elements, _layout
-from qformats._fmt_common import div
+from qformats._fmt_common import div, mul
 from qformats._format import ScaledFormat
 
 _TINY = np.float32(np.finfo(np.float32).tiny)
@@ -71,7 +71,7 @@ class PerTensorFormat(ScaledFormat):
             # max_value * scale may round past FLT_MAX (amax within an ulp of it): one step down.
             overflows = ~(max_value * scale <= np.float32(np.finfo(np.float32).max)) & finite
             scale = jnp.where(overflows, jnp.nextafter(scale, np.float32(0)), scale)
-            data = self.element.encode(x * self._reciprocal(amax, ratio))
+            data = self.element.encode(mul(x, self._reciprocal(amax, ratio)))
         scale = jnp.where(finite, scale, np.float32(np.nan))
         return data, scale
 

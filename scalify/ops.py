@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 import qformats as qf
 from scalify._jax_compat import define_elementwise_primitive, is_tracer
@@ -139,11 +140,21 @@ dynamic_rescale_l2_p, dynamic_rescale_l2, dynamic_rescale_l2_grad = _make_rescal
 
 # -- cast_ml_dtype ------------------------------------------------------------------------------------
 def _round_to(x, dtype):
+    """``x`` clipped to ``dtype``'s finite range and rounded to it (nearest, ties to even), in
+    ``x``'s dtype.
+
+    A float32 -> bfloat16 -> float32 round trip is written as ``reduce_precision``: XLA may drop
+    the round trip (``xla_allow_excess_precision``, on by default), and on CPU its reduction
+    fusions do, so ``jnp.sum(cast_ml_dtype(x, bfloat16))`` under ``jit`` summed the unrounded ``x``.
+    """
     dtype = np.dtype(dtype)
     x = jnp.asarray(x)
     info = ml_dtypes.finfo(dtype)
     m = float(info.max)
-    return jnp.clip(x, -m, m).astype(dtype).astype(x.dtype)
+    x = jnp.clip(x, -m, m)
+    if dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return x.astype(dtype).astype(x.dtype)
 
 
 cast_ml_dtype_p = define_elementwise_primitive("cast_ml_dtype", lambda x, *, dtype: _round_to(x, dtype))

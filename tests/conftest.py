@@ -8,6 +8,16 @@ from gpu_division import inexact_division  # noqa: F401  (a fixture for every te
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+# The same XLA programs recur across tests and across the two lanes (the float32 baseline of every
+# benchmark and recipe, a model step per format), so compiled programs go to JAX's persistent cache:
+# one folder per test process, as two processes reading and writing one folder can see half-written
+# entries. Keys include JAX's version, the backend and the flags, so an old entry is never reused
+# wrongly. Set JAX_COMPILATION_CACHE_DIR to choose the folder yourself.
+if jax.config.jax_compilation_cache_dir is None:
+    _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _root = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax-compilation-cache")
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(_root, _worker)))
+
 VECTORS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "vectors")
 
 

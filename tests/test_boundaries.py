@@ -923,6 +923,26 @@ def test_round_quotient_subnormal_ties_and_overflow():
                 np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"/{d}, {k} ulps")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
+def test_round_to_is_the_dtype_round_trip_inside_a_reduction(dtype):
+    """``_bits.round_to(x, dtype)`` equals NumPy's ``x.astype(dtype).astype(float32)`` on random bit
+    patterns (subnormals, overflow, NaN included), also where XLA fuses it into a reduction (there
+    it dropped an ``astype`` round trip to bfloat16)."""
+    from qformats._bits import round_to
+
+    bits = np.random.default_rng(3).integers(0, 2**32, size=1 << 18, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(F32).reshape(512, 512)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(dtype).astype(F32)
+    got = np.asarray(jax.jit(lambda v: round_to(v, dtype))(x))
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (x[~same][:4], got[~same][:4], want[~same][:4])
+    finite = np.random.default_rng(4).standard_normal((1024, 1024)).astype(F32)
+    blocks = jax.jit(lambda v: jnp.max(round_to(v, dtype).reshape(1024, 8, 128), -1))(finite)
+    want = finite.astype(dtype).astype(F32).reshape(1024, 8, 128).max(-1)
+    np.testing.assert_array_equal(np.asarray(blocks), want)
+
+
 # -- large random tensors --------------------------------------------------------------------------------
 def _large_inputs(n):
     """Four 2-D float32 inputs: standard normal, rows scaled by 2**-30..2**30, Student t (2 degrees of
@@ -1018,19 +1038,78 @@ def test_regression_quantize_of_a_quotient():
             np.testing.assert_array_equal(np.asarray(data), want, err_msg=how)
 
 
+def test_regression_quantize_of_a_product_with_a_constant():
+    """A user's ``x = a * 0.37`` fed to a per-tensor format that multiplies ``x`` by ``r = max / amax``
+    (the ``exact`` mode, torchao's tensorwise float8): under jit XLA reassociated the two products
+    into ``a * (0.37 * r)``, which rounds differently, and these codes came out one step off those of
+    the ``x`` the program computes (512x512 corners of the large inputs, where a search found them)."""
+    inputs = _large_inputs(2048)
+    c = F32(0.37)
+    cases = [
+        (qf.FP16.replace(scale_mode="exact"), np.float16, "normal"),
+        (qf.FP16.replace(scale_mode="exact"), np.float16, "heavy"),
+        (qf.get_format("fp8_e5m2_tensorwise"), ml_dtypes.float8_e5m2, "row-scaled"),
+    ]
+    for fmt, dtype, kind in cases:
+        a = inputs[kind][:512, :512]
+        a = a / np.abs(a).max(axis=1, keepdims=True)  # rows of the row-scaled input on one scale
+        x = a * c
+        r = F32(fmt.element.max_value) / np.abs(x).max()
+        bits = f"u{np.dtype(dtype).itemsize}"
+        want = (x * r).astype(dtype).view(bits)
+        merged = (a * (c * r)).astype(dtype).view(bits)
+        assert np.any(want != merged), "the inputs changed: no code moves under the merged product"
+        for how, quantize in (
+            ("eager", lambda a, fmt=fmt: fmt.quantize(jnp.asarray(a) * c)),
+            ("jit", jax.jit(lambda a, fmt=fmt: fmt.quantize(a * c))),
+        ):
+            data = np.asarray(quantize(a)[0])
+            np.testing.assert_array_equal(data.view(bits), want, err_msg=f"{fmt.name} {kind} {how}")
+
+
+def test_regression_gguf_q4_0_does_not_fuse_its_multiply_add():
+    """GGUF Q4_0 codes are ``trunc(fl(x * id) + 8.5)``, the product rounded first (ggml, and the
+    ``gguf`` package we check against). XLA contracted the product and the sum into one fused
+    multiply-add, which truncates one code lower where ``x * id`` rounds onto a half-integer: 75 of
+    the million bfloat16-valued weights below. Codes now count thresholds instead (`_q4_codes`)."""
+    import gguf
+
+    fmt = qf.get_format("gguf_q4_0")
+    x = _large_inputs(2048)["bf16"][:1024, :1024]
+    kind = gguf.GGMLQuantizationType.Q4_0
+    want = gguf.quants.dequantize(gguf.quants.quantize(x, kind), kind).reshape(x.shape)
+    blocks = x.reshape(-1, 32)
+    m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+    inv = F32(1) / (m / F32(-8))
+    fused = np.trunc((blocks.astype(np.float64) * inv + 8.5).astype(F32))  # one rounding: an FMA
+    assert np.any(fused != np.trunc(blocks * inv + F32(8.5))), "the inputs changed: no FMA moves a code"
+    for how, quantize in (("eager", fmt.quantize), ("jit", jax.jit(fmt.quantize))):
+        got = np.asarray(fmt.dequantize(*quantize(jnp.asarray(x))))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=how)
+
+
+# A user's producer fused with the quantization under one jit: XLA merged a quotient with the
+# format's division, and a product with a constant with the format's multiplication by its scale.
+_PRODUCERS = {"quotient": lambda a, c: a / c, "product": lambda a, c: a * np.float32(0.37)}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("producer", list(_PRODUCERS))
 @pytest.mark.parametrize(
     "fmt", ALL_VARIANTS + [qf.get_format(n) for n in ALL_FORMATS if n not in FORMATS], ids=variant_id
 )
-def test_large_random_tensors_quotient_producer(fmt):
-    """``quantize(a / c)`` under one jit equals ``quantize`` of the quotient the program computes, for
-    every format and mode, checkpoint formats included: XLA must not merge the producer's division
-    with the format's (int8 per channel and the compressed-tensors FP8 formats moved before)."""
+def test_large_random_tensors_fused_producer(fmt, producer):
+    """``quantize(a / c)`` and ``quantize(a * 0.37)`` under one jit equal ``quantize`` of the value the
+    program computes, for every format and mode, checkpoint formats included: XLA must not merge the
+    producer with the format's own division or product (int8 per channel, the compressed-tensors
+    FP8 formats, and the per-tensor ``exact`` and float8 tensorwise formats moved before)."""
     inputs, c = _quotient_operands(2048)
-    divide, quantize = jax.jit(lambda a, c: a / c), jax.jit(fmt.quantize)
-    fused = jax.jit(lambda a, c: fmt.quantize(a / c))
+    produce = _PRODUCERS[producer]
+    materialise, quantize = jax.jit(produce), jax.jit(fmt.quantize)
+    fused = jax.jit(lambda a, c: fmt.quantize(produce(a, c)))
     for kind, a in inputs.items():
-        want, got = jax.tree_util.tree_leaves(quantize(divide(a, c))), jax.tree_util.tree_leaves(fused(a, c))
+        want = jax.tree_util.tree_leaves(quantize(materialise(a, c)))
+        got = jax.tree_util.tree_leaves(fused(a, c))
         for i, (w, g) in enumerate(zip(want, got, strict=True)):
             w, g = np.asarray(w), np.asarray(g)
             bits = f"u{w.dtype.itemsize}"

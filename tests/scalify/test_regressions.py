@@ -303,3 +303,17 @@ def test_gradient_through_a_chain_of_formatted_matmuls_keeps_its_data_near_one(f
         data = np.abs(np.asarray(g.data))
         assert 1e-2 < data.max() < 1e2, name
         np.testing.assert_allclose(_deq(g), np.asarray(ref), rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
+def test_regression_cast_ml_dtype_survives_a_reduction_under_jit(dtype):
+    """``ops.cast_ml_dtype(x, bfloat16)`` fed to a reduction under jit: XLA dropped the float32 ->
+    bfloat16 -> float32 round trip there (excess precision), so the block maxima were those of the
+    unrounded ``x``. Reference: NumPy's ml_dtypes rounding of the same values."""
+    import ml_dtypes
+
+    dt = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    x = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    got = jax.jit(lambda v: jnp.max(ops.cast_ml_dtype(v, dt).reshape(1024, 8, 128), -1))(x)
+    want = x.astype(dt).astype(np.float32).reshape(1024, 8, 128).max(-1)
+    np.testing.assert_array_equal(np.asarray(got), want)
