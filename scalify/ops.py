@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 
 import qformats as qf
+from qformats._bits import round_to
 from scalify._jax_compat import define_elementwise_primitive, is_tracer
 from scalify._pow2 import pow2_round
 from scalify._registry import register_rule
@@ -143,17 +143,18 @@ def _round_to(x, dtype):
     """``x`` clipped to ``dtype``'s finite range and rounded to it (nearest, ties to even), in
     ``x``'s dtype.
 
-    A float32 -> bfloat16 -> float32 round trip is written as ``reduce_precision``: XLA may drop
-    the round trip (``xla_allow_excess_precision``, on by default), and on CPU its reduction
-    fusions do, so ``jnp.sum(cast_ml_dtype(x, bfloat16))`` under ``jit`` summed the unrounded ``x``.
+    A float32 -> bfloat16 or float16 -> float32 round trip is ``qformats._bits.round_to``: XLA may
+    drop the ``astype`` round trip (``xla_allow_excess_precision``, on by default), and on CPU its
+    reduction fusions do, so ``jnp.sum(cast_ml_dtype(x, bfloat16))`` under ``jit`` summed the
+    unrounded ``x``.
     """
     dtype = np.dtype(dtype)
     x = jnp.asarray(x)
     info = ml_dtypes.finfo(dtype)
     m = float(info.max)
     x = jnp.clip(x, -m, m)
-    if dtype == jnp.bfloat16 and x.dtype == jnp.float32:
-        return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    if x.dtype == jnp.float32 and dtype in (jnp.bfloat16, jnp.float16):
+        return round_to(x, dtype)
     return x.astype(dtype).astype(x.dtype)
 
 
