@@ -117,3 +117,35 @@ def test_repr_shows_spec_and_formats_are_hashable():
     assert "MXFormat(name='mxfp8'" in r and "float8_e4m3fn" in r and "scale_mode='rceil'" in r
     assert len({qf.get_format(n) for n in qf.list_formats()}) == len(qf.list_formats())
     assert qf.MXFP8 != qf.MXFP8.replace(axis=0)
+
+
+def test_unhashable_format_called_eagerly_names_the_fix():
+    """A format whose class is mutable (``attrs.define`` compares by value, so it has no hash)
+    cannot key the program an eager call compiles: the error says so and how to fix it. Traced,
+    inside the caller's program, it needs no hash and works."""
+    import attrs
+    import jax
+    import numpy as np
+
+    @attrs.define
+    class MutableMXFP8(qf.ScaledFormat):
+        name: str = "mutable_mxfp8"
+
+        element = property(lambda self: qf.MXFP8.element)
+        layout = property(lambda self: qf.MXFP8.layout)
+
+        def quantize(self, x):
+            return qf.MXFP8.quantize(x)
+
+        def decode(self, data):
+            return qf.MXFP8.decode(data)
+
+        def scale_values(self, scale):
+            return qf.MXFP8.scale_values(scale)
+
+    fmt = MutableMXFP8()
+    x = jnp.linspace(-3, 3, 64, dtype=jnp.float32).reshape(2, 32)
+    with pytest.raises(TypeError, match=r"MutableMXFP8 is not hashable.*@attrs.frozen"):
+        fmt.quantize(x)
+    got = jax.jit(lambda v: fmt.dequantize(*fmt.quantize(v)))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(qf.MXFP8.fake_quantize(x)))

@@ -76,6 +76,10 @@ class Ratio(_FormatShape):
     def track_dequantize_ratio(self, fmt_name, shape):
         return interleaved_ratio(self.dequantize, self.q, self.ref, (self.x,), self.repeats_inner)
 
+    def track_eager_quantize_ratio(self, fmt_name, shape):
+        """``fmt.quantize(x)`` called eagerly over the same quantize under ``jax.jit``."""
+        return interleaved_ratio(self.fmt.quantize, (self.x,), self.quantize, (self.x,), self.repeats_inner)
+
 
 class FakeQuantize(_FormatShape):
     """``fmt.fake_quantize(x)`` (what recipes and amp feed their GEMMs) against the round trip
