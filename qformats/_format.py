@@ -89,6 +89,10 @@ class ScaledFormat(abc.ABC):
     Concrete formats are frozen ``attrs`` classes with at least the fields/properties ``name``,
     ``element`` (an element codec with ``max_value``, ``smallest_normal``, ``bits``, ``encode``,
     ``decode``) and ``layout`` (a :class:`qformats.Layout`).
+
+    Called on concrete arrays, ``quantize``, ``quantize_stochastic``, ``fake_quantize`` and
+    ``dequantize`` run as one ``jax.jit`` program per format, shape and dtype (the format is a
+    static argument, so it must be hashable); inside a traced program they run inline.
     """
 
     name: str
