@@ -75,6 +75,25 @@ def _check_hashable(fmt) -> None:
         ) from e
 
 
+def _wrap_entry_points(cls: type) -> None:
+    """Wrap each entry point ``cls`` defines (not inherits) with :func:`_compiled_when_eager`.
+
+    ``attrs`` rebuilds a slotted class as a new class with a copy of the old one's namespace, so
+    this runs twice for it; the second time it only moves the wrapped method's ``super()`` cell to
+    the class that is kept. A wrapper a class borrows from an ancestor is left alone.
+    """
+    for name, static in _COMPILED_WHEN_EAGER.items():
+        fn = cls.__dict__.get(name)
+        if fn is None or getattr(fn, "__isabstractmethod__", False):
+            continue
+        owner = getattr(fn, "__compiled_owner__", None)
+        if owner is None:
+            setattr(cls, name, _compiled_when_eager(fn, static, cls))
+        elif owner is not cls and owner not in cls.__mro__:
+            _repoint_class_cells(fn.__wrapped__, owner, cls)
+            fn.__compiled_owner__ = cls
+
+
 def _repoint_class_cells(fn, old: type, new: type) -> None:
     """Point ``fn``'s zero-argument ``super()`` cell from ``old`` to ``new``, as ``attrs`` does for
     the methods it sees when it rebuilds a class with slots (it does not see inside our wrapper)."""
@@ -98,23 +117,8 @@ class ScaledFormat(abc.ABC):
     name: str
 
     def __init_subclass__(cls, **kwargs):
-        """Wrap each entry point a subclass defines with :func:`_compiled_when_eager`.
-
-        ``attrs`` rebuilds a slotted class as a new class with a copy of this one's namespace, so
-        this runs twice for it; the second time it only moves the wrapped method's ``super()``
-        cell to the class that is kept. A wrapper a class borrows from an ancestor is left alone.
-        """
         super().__init_subclass__(**kwargs)
-        for name, static in _COMPILED_WHEN_EAGER.items():
-            fn = cls.__dict__.get(name)
-            if fn is None or getattr(fn, "__isabstractmethod__", False):
-                continue
-            owner = getattr(fn, "__compiled_owner__", None)
-            if owner is None:
-                setattr(cls, name, _compiled_when_eager(fn, static, cls))
-            elif owner is not cls and owner not in cls.__mro__:
-                _repoint_class_cells(fn.__wrapped__, owner, cls)
-                fn.__compiled_owner__ = cls
+        _wrap_entry_points(cls)
 
     #: The fields that name data axes (``("axis",)``, NVFP4's ``("axis", "tile_axis")``): what
     #: :meth:`reindex` moves. A format whose layout has no axis, or counts its axes from the end
@@ -304,7 +308,4 @@ class ScaledFormat(abc.ABC):
         }
 
 
-# The defaults above are entry points of every format that does not override them.
-for _name, _static in _COMPILED_WHEN_EAGER.items():
-    if not getattr(ScaledFormat.__dict__[_name], "__isabstractmethod__", False):
-        setattr(ScaledFormat, _name, _compiled_when_eager(ScaledFormat.__dict__[_name], _static, ScaledFormat))
+_wrap_entry_points(ScaledFormat)  # its defaults serve every format that does not override them
