@@ -340,6 +340,13 @@ def _settle_stored(data, scale, *, per_block, mode):
     return _divide_unless(data, r, jnp.all(keep)), scale * r
 
 
+# Up to this many elements, a pass that a conditional or a loop would skip costs less than the
+# conditional itself: to compile (two branch computations, their fusions) and to dispatch
+# (~5 us on CPU, where a masked max of 2^14 float32 takes ~1 us). block_amax and _divide_unless
+# run straight-line code there; larger arrays keep the skip.
+STRAIGHT_LINE = 1 << 14
+
+
 @jax.custom_jvp
 def _divide_unless(d, r, skip):
     """``d / expand(r)`` in ``d``'s dtype, where ``r`` is 1 wherever ``skip`` holds: the division is
@@ -347,14 +354,16 @@ def _divide_unless(d, r, skip):
 
     A loop of zero or one iterations, not a ``cond``: XLA gives a ``cond`` a new output buffer, so
     its untaken branch still copied the whole array (on CPU as slow as the multiply), while a
-    loop's state is updated in place.
+    loop's state is updated in place. Up to :data:`STRAIGHT_LINE` elements the multiply runs
+    unconditionally (same bits: ``r`` is 1 where ``skip`` holds).
     """
 
-    def divide(carry):
-        d, run = carry
-        return (d.astype(F32) * expand_scale(1.0 / r, d.shape)).astype(d.dtype), ~run
+    def divide(d):
+        return (d.astype(F32) * expand_scale(1.0 / r, d.shape)).astype(d.dtype)
 
-    return lax.while_loop(lambda carry: carry[1], divide, (d, ~skip))[0]
+    if d.size <= STRAIGHT_LINE:
+        return divide(d)
+    return lax.while_loop(lambda carry: carry[1], lambda carry: (divide(carry[0]), ~carry[1]), (d, ~skip))[0]
 
 
 @_divide_unless.defjvp
@@ -502,7 +511,9 @@ def block_amax(v, grid_shape):
     """``max(|v|)`` over each block of a rank-matched (or empty: per-tensor) grid.
 
     A float reduction over the finite elements: ``max(|v|)`` in one pass, and only where that is
-    not finite ``max(where(isfinite(v), |v|, 0))``. Unlike :func:`qformats.block_amax` it need
+    not finite ``max(where(isfinite(v), |v|, 0))`` (up to :data:`STRAIGHT_LINE` elements, the
+    masked max directly). Above that size, in a tensor holding a NaN, the result may fall below
+    the finite elements' max (see the comment below). Unlike :func:`qformats.block_amax` it need
     not propagate NaN: the result only picks a power of two to move into the scale, and a NaN or
     Inf element stays NaN / Inf in the data. Leaving them out matters: an Inf amax (one overflowed
     element) would keep the other elements' data unnormalised, so that a float16 carrier's
@@ -516,12 +527,17 @@ def block_amax(v, grid_shape):
         reduce = jnp.max
     else:
         reduce = functools.partial(qf.block_reduce, block=block_of(grid_shape, v.shape), reducer=jnp.max)
+    masked = lambda v: reduce(finite_or_zero(jnp.abs(v)))
+    if v.size <= STRAIGHT_LINE:
+        return masked(v)
     # The plain max fuses with |v| into one pass; masking the non-finite elements first costs two
     # more (XLA on CPU keeps the select out of the reduction), so the mask is applied only when the
-    # plain max is not finite. Equal either way: a finite plain max saw no Inf, and a float max
-    # that skips a NaN returns what the masked one does.
+    # plain max is not finite: a finite plain max saw no Inf. It can have met a NaN: XLA's
+    # vectorised max reduction on CPU lets a NaN reset the running max of its lane, so a tensor
+    # holding a NaN may reduce to a finite value below its finite elements' max. The exact
+    # alternatives (a variadic reduce with a NaN flag, ``qf.block_amax``'s integer max) cost the
+    # float16 MLP step 20% and are not used; see docs/performance.md.
     fast = reduce(jnp.abs(v))
-    masked = lambda v: reduce(finite_or_zero(jnp.abs(v)))
     return lax.cond(jnp.all(lax.is_finite(fast)), lambda v: fast, masked, v)
 
 
@@ -813,7 +829,8 @@ def structural(eqn, x: ScaledArray, *rest):
 
 
 def isolate_scale(x):
-    """``x`` with its (traced) scale behind an ``optimization_barrier``; other values unchanged.
+    """``x`` with its (traced) scale sealed: behind an ``optimization_barrier`` and materialised
+    once (:func:`_materialize`); other values unchanged.
 
     A rule builds its output scale from its operands' scales and static powers of two
     (``to_carrier``'s shift, split literals, sqrt(K) allowances). Under ``jit`` XLA re-associates
@@ -823,5 +840,36 @@ def isolate_scale(x):
     Sealing each rule's output scale keeps the compiled arithmetic what the rules wrote (as eagerly).
     """
     if isinstance(x, ScaledArray) and is_tracer(x.scale):
-        return ScaledArray(x.data, jax.lax.optimization_barrier(x.scale), fmt=x.fmt, dtype=x._dtype)
+        scale = jax.lax.optimization_barrier(x.scale)
+        if scale.dtype == F32:
+            scale = _materialize(scale)
+        return ScaledArray(x.data, scale, fmt=x.fmt, dtype=x._dtype)
     return x
+
+
+@jax.custom_jvp
+def _materialized(s):
+    """``s`` (float32), computed once by XLA instead of again inside every consumer.
+
+    XLA drops optimisation barriers before fusion and then copies cheap scalar producers into each
+    consumer fusion. A scale is a chain of cheap scalar operations through every rule before it,
+    and each scaled value feeds several consumers, so the chains were copied again and again: a
+    scalified training step compiled to ~18x the instructions of the plain one, and a fusion's
+    compile time grows faster than its size. XLA counts a division by a runtime value as expensive
+    and never copies one, so ``s`` goes through an integer division of its bits,
+    ``bits(s) / one`` with ``one = min(bits(s) | 1, 1)``: 1 for every bit pattern (the bits, NaN
+    payloads and subnormals included, come through unchanged), but not a constant XLA can fold.
+    The rule's scale chain then compiles once, as the root of its own small fusion.
+    """
+    bits = lax.bitcast_convert_type(s, jnp.uint32)
+    one = lax.min(lax.bitwise_or(bits, np.uint32(1)), np.uint32(1))
+    return lax.bitcast_convert_type(lax.div(bits, one), F32)
+
+
+@_materialized.defjvp
+def _materialized_jvp(primals, tangents):
+    return _materialized(*primals), tangents[0]
+
+
+# A nested jit: traced once per scale shape and lowered once per program, not once per rule.
+_materialize = jax.jit(_materialized)

@@ -5,8 +5,9 @@
 
 ``track_*_ratio`` is the jitted step under scalify over the plain jitted step (interleaved
 medians); ``track_*_trace_lower_ratio`` is the time to trace and lower the scalified step over the
-plain one (the interpreter's one-off price). Skipped while ``scalify.scalify`` is not importable,
-or when scalify lacks a rule the model needs for that format.
+plain one (the interpreter's one-off price); ``track_compile_ratio`` adds XLA's compile to both.
+Skipped while ``scalify.scalify`` is not importable, or when scalify lacks a rule the model needs
+for that format.
 """
 
 from __future__ import annotations
@@ -76,14 +77,17 @@ def _plain(tree):
     )
 
 
-def _trace_lower_seconds(make_fn, args, repeats=1 if SMALL else 3):
+def _trace_lower_seconds(make_fn, args, repeats=1 if SMALL else 3, compile=False):
+    """Best time to trace and lower (and, with ``compile``, XLA-compile) a fresh jit of ``make_fn()``."""
     import jax
 
     best = float("inf")
     for _ in range(repeats):
         fn = make_fn()  # a fresh function: nothing cached
         t0 = time.perf_counter()
-        jax.jit(fn).lower(*args)
+        lowered = jax.jit(fn).lower(*args)
+        if compile:
+            lowered.compile()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -132,7 +136,14 @@ class _ScalifyModel:
         t_plain = _trace_lower_seconds(self._make_plain, self.plain_args)
         return t_scaled / t_plain
 
-    track_ratio.unit = track_trace_lower_ratio.unit = "ratio"
+    def track_compile_ratio(self, fmt_name):
+        """Trace, lower and XLA-compile the scalified step, over the same for the plain step: the
+        price a user pays once per program and shape (XLA's part grows with the scale arithmetic)."""
+        t_scaled = _trace_lower_seconds(self._make_scaled, self.scaled_args, compile=True)
+        t_plain = _trace_lower_seconds(self._make_plain, self.plain_args, compile=True)
+        return t_scaled / t_plain
+
+    track_ratio.unit = track_trace_lower_ratio.unit = track_compile_ratio.unit = "ratio"
 
 
 class MLPTrainStep(_ScalifyModel):
