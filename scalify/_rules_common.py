@@ -340,10 +340,11 @@ def _settle_stored(data, scale, *, per_block, mode):
     return _divide_unless(data, r, jnp.all(keep)), scale * r
 
 
-# Up to this many elements, a pass that a conditional or a loop would skip costs less than the
-# conditional itself: to compile (two branch computations, their fusions) and to dispatch
-# (~5 us on CPU, where a masked max of 2^14 float32 takes ~1 us). block_amax and _divide_unless
-# run straight-line code there; larger arrays keep the skip.
+# Up to this many elements, a pass that a conditional or a loop would skip costs no more than the
+# conditional itself: to dispatch (on CPU, per call at 2^14 float32 elements: masked max 12.7 us,
+# plain max behind the conditional 13.2 us; at 2^16 the conditional wins, 35 us to 43 us) and to
+# compile (two branch computations with fusions of their own). block_amax and _divide_unless run
+# straight-line code there; larger arrays keep the skip.
 STRAIGHT_LINE = 1 << 14
 
 
