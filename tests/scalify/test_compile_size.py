@@ -4,7 +4,7 @@ A rule's output scale is a chain of cheap scalar operations (combines, power-of-
 ``safe_scale`` selects) through every rule before it. XLA drops optimisation barriers before fusion
 and copies cheap producers into every consumer fusion, so without a cut the chains were compiled
 again and again: a flax decoder's training step compiled to ~18x the optimised HLO of the plain
-step, in ~6x its compile time. :func:`scalify._rules_common.isolate_scale` now materialises each
+step, in ~7x its compile time. :func:`scalify._rules_common.isolate_scale` now materialises each
 rule's output scale through an integer division by a runtime one (``_materialize``), which XLA
 never copies; the bits must come through unchanged.
 """

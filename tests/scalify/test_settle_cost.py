@@ -76,14 +76,13 @@ def test_an_inf_element_does_not_stop_the_others_settling(mode):
 
 
 def _reduced_operands(jaxpr, producers=None):
-    """(primitive producing the operand) of every data-sized max reduction (``reduce_max``, or the
-    variadic ``reduce`` of a NaN-exact max) outside a cond's branches."""
+    """(primitive producing the operand) of every data-sized reduce_max outside a cond's branches."""
     found = []
     producers = {} if producers is None else producers
     for e in jaxpr.eqns:
         for v in e.outvars:
             producers[v] = e.primitive.name
-        if e.primitive.name in ("reduce_max", "reduce") and np.prod(e.invars[0].aval.shape) >= 256 * 256:
+        if e.primitive.name == "reduce_max" and np.prod(e.invars[0].aval.shape) >= 256 * 256:
             found.append(producers.get(e.invars[0], "input"))
         if e.primitive.name != "cond":
             for sub in sub_jaxprs(e):
