@@ -269,20 +269,34 @@ def _abstract(x):
     return x
 
 
+def _is_traced(x) -> bool:
+    """Whether an argument leaf is traced: arrays are; Python scalars and other objects (a dtype, a
+    config, a learning-rate schedule) reach ``fun`` as they are, as ``jax.jit``'s static arguments
+    and ``jax.grad``'s non-differentiated ones do."""
+    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic))
+
+
 def scalify(fun):
     """Transform ``fun`` so that it propagates scales through ScaledArray inputs.
 
-    ``fun`` is traced on the logical shapes and dtypes of its inputs (ScaledArrays are seen as plain
-    arrays), then its jaxpr is evaluated with scaling rules. Equations without scaled operands are
-    bound unchanged. Plain inputs only: ``scalify(fun)`` calls ``fun`` directly.
+    ``fun`` is traced on the logical shapes and dtypes of its array inputs (ScaledArrays are seen as
+    plain arrays; every other argument is passed as it is, so ``jax.jit(scalify(f),
+    static_argnums=...)`` works as it does for ``f``), then its jaxpr is evaluated with scaling
+    rules. Equations without scaled operands are bound unchanged. Plain inputs only:
+    ``scalify(fun)`` calls ``fun`` directly.
     """
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
+        every, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
+        traced = [i for i, x in enumerate(every) if _is_traced(x)]
+        leaves = [every[i] for i in traced]
 
         def flat_fun(*flat):
-            a, k = treedef.unflatten(flat)
+            full = list(every)
+            for i, x in zip(traced, flat, strict=True):
+                full[i] = x
+            a, k = treedef.unflatten(full)
             return fun(*a, **k)
 
         if not any(isinstance(x, ScaledArray) for x in leaves):

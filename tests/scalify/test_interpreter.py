@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -31,6 +33,33 @@ def test_kwargs_pytrees_and_python_scalars():
     assert isinstance(out["out"], jsa.ScaledArray)
     np.testing.assert_allclose(np.asarray(out["out"]), np.asarray(X * 3.0 + X), rtol=1e-6)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:  # hashable, as jax.jit's static arguments must be; a dtype and a function inside
+    width: int
+    dtype: object = jnp.float32
+    schedule: object = staticmethod(lambda step: 0.5 / (step + 1))
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "mxfp8"])
+def test_static_arguments_reach_fun_as_they_are(fmt_name):
+    """flax's examples jit their train steps with static arguments (vae's latent width, lm1b's config
+    holding a dtype and a schedule): under ``jit(scalify(step), static_argnums=...)`` the step must
+    see them as Python values, not tracers (a traced width cannot make a shape)."""
+
+    def step(x, cfg, n):
+        pad = jnp.zeros((x.shape[0], n), cfg.dtype)  # a shape from an int argument
+        y = jnp.concatenate([x, pad], axis=1)[:, : cfg.width]
+        return y * cfg.schedule(1) + jnp.asarray(n, cfg.dtype)
+
+    cfg = _Config(width=32)
+    x = make_scaled(X, FORMATS[fmt_name])
+    want = step(np.asarray(x), cfg, 8)
+    got = jax.jit(jsa.scalify(step), static_argnums=(1, 2))(x, cfg, 8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    # Without jit the same values reach `step` as they are.
+    np.testing.assert_allclose(np.asarray(jsa.scalify(step)(x, cfg, 8)), np.asarray(want), rtol=1e-6)
 
 @pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])
 def test_nested_jit_cond_while_scan_remat(fmt_name):
