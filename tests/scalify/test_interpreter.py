@@ -34,7 +34,6 @@ def test_kwargs_pytrees_and_python_scalars():
     np.testing.assert_allclose(np.asarray(out["out"]), np.asarray(X * 3.0 + X), rtol=1e-6)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Config:  # hashable, as jax.jit's static arguments must be; a dtype and a function inside
     width: int
@@ -60,6 +59,7 @@ def test_static_arguments_reach_fun_as_they_are(fmt_name):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     # Without jit the same values reach `step` as they are.
     np.testing.assert_allclose(np.asarray(jsa.scalify(step)(x, cfg, 8)), np.asarray(want), rtol=1e-6)
+
 
 @pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])
 def test_nested_jit_cond_while_scan_remat(fmt_name):

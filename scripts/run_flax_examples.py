@@ -1,0 +1,373 @@
+"""Run flax's own example training steps, unchanged, under ``scalify`` with parameters in each format.
+
+    python scripts/run_flax_examples.py                       # pip download flax's sdist (installed version)
+    python scripts/run_flax_examples.py --source DIR          # an unpacked flax sdist or a git clone
+    python scripts/run_flax_examples.py --only lm1b,wmt --formats all --markdown
+
+The programs are the ``train_step`` functions of flax's ``examples/`` (seq2seq, sst2, vae, lm1b,
+wmt, nlp_seq, imagenet), read from flax's sdist of the installed version (or ``--source DIR``);
+nothing of them is copied into this repository. Each example's ``train.py`` is imported as it is,
+and its ``train_step`` is called as the example's own ``main`` calls it: under ``jax.jit`` with the
+same static arguments, or under ``jax.pmap(axis_name="batch")`` where the step averages gradients
+with ``lax.pmean`` (wmt, nlp_seq, imagenet; one device here). The only change is
+``jax.jit(train_step)`` -> ``jax.jit(scalify.scalify(train_step))``.
+
+What the script supplies, and why
+---------------------------------
+* **Data and logging modules are stand-ins.** The examples import ``tensorflow``,
+  ``tensorflow_datasets``, ``clu``, ``ml_collections``, ``tensorboard``, ``sentencepiece`` and
+  ``PIL`` at module level for input pipelines, tokenizers, metric writers and image files; no train
+  step calls them. An import hook serves any module under those names (when not installed) as an
+  inert placeholder.
+* **Small configurations and synthetic batches** (built with the examples' own constructors and
+  initialisation functions): widths 32-64, two layers, a batch of 4-16. Shapes are multiples of 32
+  where the example allows, so that MX and NVFP4 layouts accept the kernels.
+* **The optimiser.** Every state gets ``optax.adam(1e-2, eps=1e-2)`` (the third-party harness's
+  optimiser): with the examples' ``eps=1e-8`` the first Adam step is ``lr * sign(g)``, and a
+  gradient entry that is zero up to float32 rounding would flip sign. The optimiser state is
+  initialised on the float32 parameters; see ``docs/examples.md`` for why not on MX ones.
+* **Flax's ``DynamicScale``** (wmt, imagenet): each of the two runs once more with
+  ``TrainState(dynamic_scale=DynamicScale())``, the half-precision path of those examples.
+
+The check: parameters whose shape the format's layout accepts (rank >= 2, blocks that fit) are
+quantized with ``as_scaled_array(p, fmt=...)``; the reference is the same ``train_step`` in float32
+on the dequantized parameters. Every leaf of the returned state and metrics must agree within the
+third-party harness's tolerance (``tests/thirdparty/thirdparty_harness.py``: float32 propagation
+error, far below any format's element rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "thirdparty"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _jax_scalify_source import _extract  # noqa: E402
+from thirdparty_harness import (  # noqa: E402
+    FAMILY_REPRESENTATIVES,
+    assert_tree_close,
+    dequantize_tree,
+    make_optimizer,
+    n_scaled,
+    quantize_tree,
+)
+
+import qformats as qf  # noqa: E402
+import scalify  # noqa: E402
+
+# Imported by the examples' train.py for data, logging and images, never by a train step.
+STAND_INS = (
+    "tensorflow",
+    "tensorflow_datasets",
+    "tensorflow_text",
+    "tensorboard",
+    "clu",
+    "ml_collections",
+    "sentencepiece",
+    "PIL",
+)
+
+
+class _Inert(types.ModuleType):
+    """A module whose every attribute, call, subscript and ``|`` is itself (so annotations such as
+    ``tf.data.Dataset | None`` and decorators evaluate)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert(f"{self.__name__}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getitem__(self, key):
+        return self
+
+    def __or__(self, other):
+        return self
+
+    __ror__ = __or__
+
+
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots):
+        self.roots = set(roots)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _Inert(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install_stand_ins():
+    """Serve the modules of STAND_INS that are not installed as inert placeholders."""
+    missing = [m for m in STAND_INS if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.meta_path.insert(0, _StandIns(missing))
+    return missing
+
+
+def fetch_flax(work: Path) -> Path:
+    """``pip download`` the sdist of the installed flax version and unpack it; return its root."""
+    spec = f"flax=={importlib.metadata.version('flax')}"
+    dest = str(work / "sdist")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", dest, spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    archives = sorted((work / "sdist").glob("*.tar.gz"))
+    if proc.returncode != 0 or not archives:
+        raise SystemExit(
+            f"could not download {spec}:\n{proc.stderr.strip()}\n"
+            "Clone https://github.com/google/flax and pass --source DIR."
+        )
+    _extract(archives[0], work / "src")
+    (root,) = list((work / "src").iterdir())
+    return root
+
+
+# -- the examples -------------------------------------------------------------------------------------
+# Each builder takes the examples directory and returns (state, run, train_step): run(step, state)
+# calls `step` (the example's train_step, or scalify of it) the way the example's main does.
+_EXAMPLE_MODULES = ("train", "models", "input_pipeline", "utils", "temperature_sampler", "decode", "bleu", "tokenizer")
+
+
+def _load(examples: Path, name: str, *modules):
+    """Import modules of ``examples/name`` fresh (the examples reuse module names such as ``train``)."""
+    for m in _EXAMPLE_MODULES:
+        sys.modules.pop(m, None)
+    sys.path.insert(0, str(examples / name))
+    try:
+        return [importlib.import_module(m) for m in modules]
+    finally:
+        sys.path.pop(0)
+
+
+def _jitted(static_argnums=()):
+    return lambda step, *args: jax.jit(step, static_argnums=static_argnums)(*args)
+
+
+def _pmapped(**static):
+    """``jax.pmap(partial(step, **static), axis_name="batch")`` on a one-device replica of the args."""
+
+    def run(step, *args):
+        replicate = lambda tree: jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
+        out = jax.pmap(functools.partial(step, **static), axis_name="batch")(*map(replicate, args))
+        return jax.tree.map(lambda x: x[0], out)
+
+    return run
+
+
+def _tokens(seed, shape, low, high):
+    return jnp.asarray(np.random.default_rng(seed).integers(low, high, shape), jnp.int32)
+
+
+def seq2seq(examples):
+    """LSTM encoder-decoder (``nn.scan``-lifted cells, sampling from the logits): ``@jax.jit`` step."""
+    train, pipeline = _load(examples, "seq2seq", "train", "input_pipeline")
+    train.FLAGS(["run_flax_examples"])  # absl flags hold the model's sizes (defaults)
+    table = pipeline.CharacterTable("0123456789+= ")
+    state = train.get_train_state(jax.random.key(0), table).replace(tx=make_optimizer())
+    batch = table.get_batch(8)
+    return state, lambda step, st: _jitted()(step, st, batch, jax.random.key(1), table.eos_id), train.train_step
+
+
+def sst2(examples):
+    """Embedding, word dropout and a bidirectional LSTM classifier; SGD with momentum in the example."""
+    train, models = _load(examples, "sst2", "train", "models")
+    from flax.training import train_state
+
+    model = models.TextClassifier(
+        embedding_size=32, hidden_size=32, vocab_size=50, output_size=1, dropout_rate=0.5, word_dropout_rate=0.1
+    )
+    params = train.get_initial_params(jax.random.key(0), model)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer())
+    batch = {
+        "token_ids": _tokens(0, (8, 12), 2, 50),
+        "length": _tokens(1, (8,), 3, 12),
+        "label": _tokens(2, (8,), 0, 2).astype(jnp.float32),
+    }
+    return state, lambda step, st: _jitted()(step, st, batch, {"dropout": jax.random.key(1)}), train.train_step
+
+
+def vae(examples):
+    """Variational autoencoder (reparameterisation with a PRNG key, sigmoid cross-entropy, KL)."""
+    train, models = _load(examples, "vae", "train", "models")
+    from flax.training import train_state
+
+    latents = 20
+    params = models.model(latents).init(jax.random.key(0), jnp.ones((1, 784)), jax.random.key(1))["params"]
+    state = train_state.TrainState.create(apply_fn=models.model(latents).apply, params=params, tx=make_optimizer())
+    # The example trains on binarised MNIST (0/1 pixels). With 0/1 inputs and int8 codes the
+    # encoder's dot products are exact integer sums times a channel scale, and one pre-activation
+    # cancels to within 1e-8 of 0 (0.0 under scalify, 2e-8 in float32, -1.9e-8 in float64): ReLU's
+    # gradient flips under any change of summation order. Grey levels in [0, 1) avoid the tie.
+    batch = jnp.asarray(np.random.default_rng(0).random((16, 784)), jnp.float32)
+    return state, lambda step, st: _jitted(3)(step, st, batch, jax.random.key(2), latents), train.train_step
+
+
+def lm1b(examples):
+    """Decoder-only Transformer LM with dropout and a learning-rate schedule (static config)."""
+    train, models = _load(examples, "lm1b", "train", "models")
+    from flax.training import train_state
+
+    config = models.TransformerConfig(
+        vocab_size=64, output_vocab_size=64, emb_dim=64, num_heads=2, num_layers=2, qkv_dim=64, mlp_dim=128, max_len=32
+    )
+    inputs = _tokens(0, (4, 16), 1, 64)
+    params = models.TransformerLM(dataclasses.replace(config, deterministic=True)).init(jax.random.key(0), inputs)
+    state = train_state.TrainState.create(apply_fn=None, params=params["params"], tx=make_optimizer())
+    schedule = train.create_learning_rate_schedule(1e-3, 10)
+    run = _jitted((2, 3))
+    batch = {"inputs": inputs}
+    return state, lambda step, st: run(step, st, batch, config, schedule, 0.0, jax.random.key(3)), train.train_step
+
+
+def wmt(examples, dynamic_scale=False):
+    """Encoder-decoder Transformer; gradients averaged with ``lax.pmean`` under ``pmap``."""
+    train, models = _load(examples, "wmt", "train", "models")
+    from flax.training import dynamic_scale as dynamic_scale_lib
+
+    config = models.TransformerConfig(
+        vocab_size=64, output_vocab_size=64, emb_dim=64, num_heads=2, num_layers=2, qkv_dim=64, mlp_dim=128, max_len=32
+    )
+    batch = {"inputs": _tokens(0, (4, 16), 1, 64), "targets": _tokens(1, (4, 12), 1, 64)}
+    model = models.Transformer(dataclasses.replace(config, deterministic=True))
+    params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
+    scale = dynamic_scale_lib.DynamicScale() if dynamic_scale else None
+    state = train.TrainState.create(apply_fn=None, params=params, tx=make_optimizer(), dynamic_scale=scale)
+    schedule = train.create_learning_rate_schedule(1e-3, 10)
+    run = _pmapped(config=config, learning_rate_fn=schedule, dropout_rng=jax.random.key(3))
+    return state, lambda step, st: run(step, st, batch), train.train_step
+
+
+def nlp_seq(examples):
+    """Transformer sequence tagger (encoder only) under ``pmap`` with ``lax.pmean``."""
+    train, models = _load(examples, "nlp_seq", "train", "models")
+    from flax.training import train_state
+
+    config = models.TransformerConfig(
+        vocab_size=64, output_vocab_size=16, emb_dim=64, num_heads=2, num_layers=2, qkv_dim=64, mlp_dim=128, max_len=32
+    )
+    model = models.Transformer(config)
+    batch = {"inputs": _tokens(0, (4, 16), 1, 64), "targets": _tokens(1, (4, 16), 1, 16)}
+    params = model.init(jax.random.key(0), inputs=batch["inputs"], train=False)["params"]
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=make_optimizer())
+    schedule = train.create_learning_rate_scheduler(base_learning_rate=0.05, warmup_steps=10)
+    run = _pmapped(model=model, learning_rate_fn=schedule, dropout_rng=jax.random.key(3))
+    return state, lambda step, st: run(step, st, batch), train.train_step
+
+
+def imagenet(examples, dynamic_scale=False):
+    """ResNet (one stage) with BatchNorm statistics as mutable state, under ``pmap``."""
+    train, models = _load(examples, "imagenet", "train", "models")
+    from flax.training import dynamic_scale as dynamic_scale_lib
+
+    train.NUM_CLASSES = 10  # the example's module constant (1000 ImageNet classes)
+    model = models._ResNet1(num_classes=10, num_filters=32)
+    params, batch_stats = train.initialized(jax.random.key(0), 32, model)
+    scale = dynamic_scale_lib.DynamicScale() if dynamic_scale else None
+    state = train.TrainState.create(
+        apply_fn=model.apply, params=params, tx=make_optimizer(), batch_stats=batch_stats, dynamic_scale=scale
+    )
+    rng = np.random.default_rng(0)
+    batch = {"image": jnp.asarray(rng.standard_normal((8, 32, 32, 3)), jnp.float32), "label": _tokens(1, (8,), 0, 10)}
+    run = _pmapped(learning_rate_fn=lambda step: 0.1)
+    return state, lambda step, st: run(step, st, batch), train.train_step
+
+
+EXAMPLES = {
+    "seq2seq": seq2seq,
+    "sst2": sst2,
+    "vae": vae,
+    "lm1b": lm1b,
+    "wmt": wmt,
+    "wmt+DynamicScale": functools.partial(wmt, dynamic_scale=True),
+    "nlp_seq": nlp_seq,
+    "imagenet": imagenet,
+    "imagenet+DynamicScale": functools.partial(imagenet, dynamic_scale=True),
+}
+
+
+def check(state, run, train_step, fmt) -> tuple[str, str]:
+    """(outcome, detail) of the example's step on ``fmt`` parameters against float32."""
+    qparams = quantize_tree(state.params, fmt)
+    if n_scaled(qparams) == 0:
+        return "n/a", f"no parameter has a shape that {fmt.name} accepts"
+    dparams = dequantize_tree(qparams)
+    opt_state = state.tx.init(dparams)
+    try:
+        expected = run(train_step, state.replace(params=dparams, opt_state=opt_state))
+        got = run(scalify.scalify(train_step), state.replace(params=qparams, opt_state=opt_state))
+        assert_tree_close(got, expected, fmt, "state and metrics")
+    except Exception as exc:  # reported per example and format, not raised
+        return "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    return "ok", f"{n_scaled(qparams)} parameters scaled"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", type=Path, help="unpacked flax sdist or git clone (holding examples/)")
+    parser.add_argument("--only", help=f"comma-separated examples (default all: {', '.join(EXAMPLES)})")
+    parser.add_argument("--formats", help="comma-separated formats, or 'all' (default: one per family)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+
+    names = args.only.split(",") if args.only else list(EXAMPLES)
+    unknown = [n for n in names if n not in EXAMPLES]
+    if unknown:
+        parser.error(f"unknown example(s) {unknown}; choose from {list(EXAMPLES)}")
+    formats = args.formats.split(",") if args.formats and args.formats != "all" else None
+    formats = list(qf.list_formats()) if args.formats == "all" else formats or list(FAMILY_REPRESENTATIVES)
+    formats = [qf.get_format(f) for f in formats]
+
+    stand_ins = install_stand_ins()
+    with tempfile.TemporaryDirectory(prefix="flax_examples_") as tmp:
+        root = args.source.resolve() if args.source else fetch_flax(Path(tmp))
+        examples = root / "examples"
+        if not examples.is_dir():
+            raise SystemExit(f"{root} has no examples/ directory; pass the root of a flax sdist or checkout.")
+        version = importlib.metadata.version("flax")
+        print(f"flax {version} examples from {root.name}; stand-ins for {stand_ins or 'none'}")
+        rows = []
+        for name in names:
+            state, run, train_step = EXAMPLES[name](examples)
+            for fmt in formats:
+                outcome, detail = check(state, run, train_step, fmt)
+                rows.append((name, fmt.name, outcome, detail))
+                print(f"{name:22s} {fmt.name:18s} {outcome:5s} {detail}", flush=True)
+    if args.markdown:
+        print("\n| example | " + " | ".join(f.name for f in formats) + " |")
+        print("| --- |" + " --- |" * len(formats))
+        for name in names:
+            cells = [r[2] for r in rows if r[0] == name]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    failed = [r for r in rows if r[2] == "FAIL"]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} (example, format) pairs ok or n/a; {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
