@@ -32,7 +32,7 @@ from scalify._rules_common import (
     static_operand,
     static_scalar,
 )
-from scalify._scaled_array import ScaledArray, is_scaled_leaf
+from scalify._scaled_array import ScaledArray, is_scaled_leaf, is_traced_leaf
 
 _ALWAYS_CACHE: dict[int, tuple[object, bool]] = {}
 
@@ -248,7 +248,9 @@ class _Program(_Scalify):
             outs = _walk.eval_jaxpr(self, closed.jaxpr, closed.consts, args)
         unproduced = {*closed.jaxpr.invars, *closed.jaxpr.constvars}
         return [
-            finish_output(settle_output(o) if isinstance(v, Literal) or v in unproduced else o)
+            # A returned constant (or a static argument returned as it is) comes back as an array,
+            # as jax.jit returns it, not as JAX's internal literal type.
+            jnp.asarray(o) if isinstance(v, Literal) else finish_output(settle_output(o) if v in unproduced else o)
             for v, o in zip(closed.jaxpr.outvars, outs, strict=True)
         ]
 
@@ -269,13 +271,6 @@ def _abstract(x):
     return x
 
 
-def _is_traced(x) -> bool:
-    """Whether an argument leaf is traced: arrays are; Python scalars and other objects (a dtype, a
-    config, a learning-rate schedule) reach ``fun`` as they are, as ``jax.jit``'s static arguments
-    and ``jax.grad``'s non-differentiated ones do."""
-    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic))
-
-
 def scalify(fun):
     """Transform ``fun`` so that it propagates scales through ScaledArray inputs.
 
@@ -289,7 +284,7 @@ def scalify(fun):
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         every, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
-        traced = [i for i, x in enumerate(every) if _is_traced(x)]
+        traced = [i for i, x in enumerate(every) if is_traced_leaf(x)]
         leaves = [every[i] for i in traced]
 
         def flat_fun(*flat):

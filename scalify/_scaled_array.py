@@ -130,6 +130,13 @@ def is_scaled_leaf(x) -> bool:
     return isinstance(x, ScaledArray)
 
 
+def is_traced_leaf(x) -> bool:
+    """Whether the transformations trace an argument leaf: arrays are; Python scalars and other
+    objects (a dtype, a config, a learning-rate schedule) reach the function as they are, as
+    ``jax.jit``'s static arguments and ``jax.grad``'s non-differentiated ones do."""
+    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic))
+
+
 def cast(x, dtype):
     """``x`` as an array of ``dtype``; no equation when it already is one.
 

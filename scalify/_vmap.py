@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalify._scaled_array import ScaledArray, is_scaled_leaf, normalize_scale, to_carrier
+from scalify._scaled_array import ScaledArray, is_scaled_leaf, is_traced_leaf, normalize_scale, to_carrier
 
 
 def _norm(axis, ndim, what):
@@ -176,6 +176,21 @@ def _carrier_plan(fmt, dtype, shape):
     )
 
 
+def _eval_shape(f, args):
+    """``jax.eval_shape(f, *args)`` with only the ShapeDtypeStruct leaves abstract: the others (a
+    Python int used as a shape, a config) reach ``f`` as they are, as under ``jax.vmap``."""
+    leaves, tree = jax.tree.flatten(args)
+    abstract = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+
+    def call(*avals):
+        full = list(leaves)
+        for i, a in zip(abstract, avals, strict=True):
+            full[i] = a
+        return f(*jax.tree.unflatten(tree, full))
+
+    return jax.eval_shape(call, *[leaves[i] for i in abstract])
+
+
 def vmap(fun, in_axes=0, out_axes=0, *, axis_name=None, axis_size=None, spmd_axis_name=None):
     """``jax.vmap`` in logical axes: each ScaledArray in ``in_axes``/``out_axes`` takes one int or None.
 
@@ -207,6 +222,8 @@ def vmap(fun, in_axes=0, out_axes=0, *, axis_name=None, axis_size=None, spmd_axi
 
         # The item function's output structure decides the physical out axes.
         def item_avals(x, ax):
+            if not is_traced_leaf(x):
+                return x
             if ax is None:
                 return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
             return jax.ShapeDtypeStruct(_drop(np.shape(x), ax), jnp.result_type(x))
@@ -226,7 +243,7 @@ def vmap(fun, in_axes=0, out_axes=0, *, axis_name=None, axis_size=None, spmd_axi
                 + "."
             )
         (batch,) = sizes
-        out_item = jax.eval_shape(lambda a, k: fun(*a, **k), *avals)
+        out_item = _eval_shape(lambda a, k: fun(*a, **k), avals)
         out_flat, out_tree = jax.tree.flatten(out_item, is_leaf=is_scaled_leaf)
         out_leaf_axes = out_tree.flatten_up_to(_broadcast_prefix(out_axes, out_item, "out_axes"))
         plans = []  # per output leaf: (kind, physical axes, logical axis, batched format)

@@ -45,9 +45,11 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import subprocess
 import sys
 import tempfile
+import traceback
 import types
 from pathlib import Path
 
@@ -322,8 +324,9 @@ def check(state, run, train_step, fmt) -> tuple[str, str]:
         expected = run(train_step, state.replace(params=dparams, opt_state=opt_state))
         got = run(scalify.scalify(train_step), state.replace(params=qparams, opt_state=opt_state))
         assert_tree_close(got, expected, fmt, "state and metrics")
-    except Exception as exc:  # reported per example and format, not raised
-        return "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    except Exception as exc:  # reported per example and format (traceback on stderr), not raised
+        traceback.print_exc()
+        return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
     return "ok", f"{n_scaled(qparams)} parameters scaled"
 
 
@@ -341,6 +344,9 @@ def main(argv=None) -> int:
         parser.error(f"unknown example(s) {unknown}; choose from {list(EXAMPLES)}")
     formats = args.formats.split(",") if args.formats and args.formats != "all" else None
     formats = list(qf.list_formats()) if args.formats == "all" else formats or list(FAMILY_REPRESENTATIVES)
+    unknown = [f for f in formats if f not in qf.list_formats()]
+    if unknown:
+        parser.error(f"unknown format(s) {unknown}; choose from {list(qf.list_formats())} or 'all'")
     formats = [qf.get_format(f) for f in formats]
 
     stand_ins = install_stand_ins()

@@ -34,11 +34,15 @@ def test_kwargs_pytrees_and_python_scalars():
     np.testing.assert_allclose(np.asarray(out["out"]), np.asarray(X * 3.0 + X), rtol=1e-6)
 
 
+def _schedule(step):
+    return 0.5 / (step + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:  # hashable, as jax.jit's static arguments must be; a dtype and a function inside
     width: int
     dtype: object = jnp.float32
-    schedule: object = staticmethod(lambda step: 0.5 / (step + 1))
+    schedule: object = _schedule
 
 
 @pytest.mark.parametrize("fmt_name", ["scale", "mxfp8"])
@@ -57,8 +61,15 @@ def test_static_arguments_reach_fun_as_they_are(fmt_name):
     want = step(np.asarray(x), cfg, 8)
     got = jax.jit(jsa.scalify(step), static_argnums=(1, 2))(x, cfg, 8)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
-    # Without jit the same values reach `step` as they are.
+    # Without jit the same values reach `step` as they are, and under scalify.vmap (unmapped).
     np.testing.assert_allclose(np.asarray(jsa.scalify(step)(x, cfg, 8)), np.asarray(want), rtol=1e-6)
+
+    def row(v, cfg, n):  # per row: a vector of length n
+        return jnp.zeros((n,), cfg.dtype) + jnp.sum(v) * cfg.schedule(1)
+
+    rows = jsa.vmap(jsa.scalify(row), in_axes=(0, None, None))(x, cfg, 8)
+    want_rows = jax.vmap(row, in_axes=(0, None, None))(np.asarray(x), cfg, 8)
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(want_rows), rtol=1e-6)
 
 
 @pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])

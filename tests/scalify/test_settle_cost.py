@@ -1,10 +1,11 @@
-"""The settle of a carrier (its data's amax measured, a power of two moved into the scale) costs
-one pass over the data for the measurement.
+"""The settle of a carrier (its data's amax measured, a power of two moved into the scale) reads
+the data directly for the measurement.
 
 Masking non-finite elements before the reduction (``max(where(isfinite(v), |v|, 0))``) kept
 XLA on CPU from fusing the reduction with ``|v|``: three passes over every settled parameter and
-Adam moment at the exit of a training step. The mask now applies only when the plain max is not
-finite; the result is the masked max either way (checked here against NumPy).
+Adam moment at the exit of a training step. Above ``STRAIGHT_LINE`` elements the mask now applies
+only when the plain max or the NaN check ``sum(v) * 0`` beside it is not finite; the result is the
+masked max either way (checked here against NumPy).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def test_block_amax_is_the_max_over_finite_elements(grid, shape, specials, log2,
 def test_a_nan_cannot_hide_the_finite_max():
     # XLA's vectorised float max on CPU lets a NaN reset the running max of its lane: for this
     # tensor (seed 18, two NaNs) jnp.max gives 4.08 where the finite elements' max is 4.23. The
-    # fast path must notice the NaN and take the masked max.
+    # fast path must notice the NaN and take the masked max. (Should XLA's max propagate the NaN
+    # one day, the test still holds: the fast path then sees a NaN max.)
     rng = np.random.default_rng(18)
     v = rng.standard_normal((256, 128)).astype(np.float32)
     for _ in range(2):
@@ -67,6 +69,17 @@ def test_a_nan_cannot_hide_the_finite_max():
     want = np.max(np.abs(v[np.isfinite(v)]))
     for mode, run in MODES.items():
         assert np.asarray(run(lambda v: block_amax(v, ()))(jnp.asarray(v))) == want, mode
+
+
+def test_a_sum_that_overflows_takes_the_exact_fallback():
+    # Finite elements near 3e36 above STRAIGHT_LINE: their float32 sum overflows, the NaN check
+    # sum(v) * 0 is NaN, and the masked max (the same value here) is taken. Per block too.
+    v = np.full((256, 128), 3e36, np.float32)
+    v[7, 9] = 5e36
+    for grid in [(), (4, 1)]:
+        for mode, run in MODES.items():
+            got = np.asarray(run(lambda v, grid=grid: block_amax(v, grid))(jnp.asarray(v)))
+            np.testing.assert_array_equal(got, _masked_amax(v, grid), err_msg=f"{mode} {grid}")
 
 
 @pytest.mark.parametrize("mode", MODES)

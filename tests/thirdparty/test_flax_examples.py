@@ -28,7 +28,7 @@ FORMATS = ("mxfp8", "int8_per_channel")
 @pytest.mark.slow
 def test_flax_examples_train_unchanged():
     cmd = [sys.executable, str(SCRIPT), "--only", ",".join(EXAMPLES), "--formats", ",".join(FORMATS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
     if "could not download flax" in proc.stderr:  # no route to PyPI: nothing to run the examples from
         pytest.skip(f"flax's sdist could not be downloaded: {proc.stderr.strip()[-500:]}")
     lines = [line.split() for line in proc.stdout.splitlines()]
