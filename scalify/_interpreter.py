@@ -32,7 +32,7 @@ from scalify._rules_common import (
     static_operand,
     static_scalar,
 )
-from scalify._scaled_array import ScaledArray, is_scaled_leaf, is_traced_leaf
+from scalify._scaled_array import ScaledArray, is_scaled_leaf, split_leaves
 
 _ALWAYS_CACHE: dict[int, tuple[object, bool]] = {}
 
@@ -283,15 +283,10 @@ def scalify(fun):
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        every, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
-        traced = [i for i, x in enumerate(every) if is_traced_leaf(x)]
-        leaves = [every[i] for i in traced]
+        leaves, rebuild = split_leaves((args, kwargs), is_leaf=is_scaled_leaf)
 
         def flat_fun(*flat):
-            full = list(every)
-            for i, x in zip(traced, flat, strict=True):
-                full[i] = x
-            a, k = treedef.unflatten(full)
+            a, k = rebuild(flat)
             return fun(*a, **k)
 
         if not any(isinstance(x, ScaledArray) for x in leaves):

@@ -137,6 +137,22 @@ def is_traced_leaf(x) -> bool:
     return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic))
 
 
+def split_leaves(tree, keep=is_traced_leaf, is_leaf=None):
+    """``(kept, rebuild)``: the leaves of ``tree`` that ``keep`` selects, and a function that
+    rebuilds ``tree`` from replacements for them, every other leaf as it was (how the
+    transformations trace the array arguments and pass the rest through)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+    idx = [i for i, x in enumerate(leaves) if keep(x)]
+
+    def rebuild(kept):
+        full = list(leaves)
+        for i, x in zip(idx, kept, strict=True):
+            full[i] = x
+        return treedef.unflatten(full)
+
+    return [leaves[i] for i in idx], rebuild
+
+
 def cast(x, dtype):
     """``x`` as an array of ``dtype``; no equation when it already is one.
 

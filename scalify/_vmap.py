@@ -30,7 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalify._scaled_array import ScaledArray, is_scaled_leaf, is_traced_leaf, normalize_scale, to_carrier
+from scalify._scaled_array import (
+    ScaledArray,
+    is_scaled_leaf,
+    is_traced_leaf,
+    normalize_scale,
+    split_leaves,
+    to_carrier,
+)
 
 
 def _norm(axis, ndim, what):
@@ -179,16 +186,8 @@ def _carrier_plan(fmt, dtype, shape):
 def _eval_shape(f, args):
     """``jax.eval_shape(f, *args)`` with only the ShapeDtypeStruct leaves abstract: the others (a
     Python int used as a shape, a config) reach ``f`` as they are, as under ``jax.vmap``."""
-    leaves, tree = jax.tree.flatten(args)
-    abstract = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
-
-    def call(*avals):
-        full = list(leaves)
-        for i, a in zip(abstract, avals, strict=True):
-            full[i] = a
-        return f(*jax.tree.unflatten(tree, full))
-
-    return jax.eval_shape(call, *[leaves[i] for i in abstract])
+    avals, rebuild = split_leaves(args, keep=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return jax.eval_shape(lambda *a: f(*rebuild(a)), *avals)
 
 
 def vmap(fun, in_axes=0, out_axes=0, *, axis_name=None, axis_size=None, spmd_axis_name=None):

@@ -30,17 +30,18 @@ def _extract(archive: Path, dest: Path) -> None:
         tar.extractall(dest)
 
 
-def fetch_sdist(work: Path, version: str | None = SEED_VERSION) -> Path:
-    """``pip download`` jax-scalify's sdist into ``work/sdist``, unpack it under ``work/src``; return its root."""
+def fetch_sdist(work: Path, version: str | None = SEED_VERSION, package=PACKAGE, repo_url=REPO_URL) -> Path:
+    """``pip download`` a package's sdist (jax-scalify's by default) into ``work/sdist``, unpack it
+    under ``work/src``; return its root."""
     dl = work / "sdist"
-    spec = f"{PACKAGE}=={version}" if version else PACKAGE
+    spec = f"{package}=={version}" if version else package
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dl), spec]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     archives = sorted(dl.glob("*.tar.gz"))
     if proc.returncode != 0 or not archives:
         raise SystemExit(
             f"could not download {spec}:\n{proc.stderr.strip()}\n"
-            f"Clone {REPO_URL} (git clone {REPO_URL}.git) and pass --source DIR."
+            f"Clone {repo_url} (git clone {repo_url}.git) and pass --source DIR."
         )
     _extract(archives[0], work / "src")
     (root,) = list((work / "src").iterdir())

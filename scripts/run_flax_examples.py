@@ -46,7 +46,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -60,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _jax_scalify_source import _extract  # noqa: E402
+from _jax_scalify_source import fetch_sdist  # noqa: E402
 from thirdparty_harness import (  # noqa: E402
     FAMILY_REPRESENTATIVES,
     assert_tree_close,
@@ -135,19 +134,7 @@ def install_stand_ins():
 
 def fetch_flax(work: Path) -> Path:
     """``pip download`` the sdist of the installed flax version and unpack it; return its root."""
-    spec = f"flax=={importlib.metadata.version('flax')}"
-    dest = str(work / "sdist")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", dest, spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    archives = sorted((work / "sdist").glob("*.tar.gz"))
-    if proc.returncode != 0 or not archives:
-        raise SystemExit(
-            f"could not download {spec}:\n{proc.stderr.strip()}\n"
-            "Clone https://github.com/google/flax and pass --source DIR."
-        )
-    _extract(archives[0], work / "src")
-    (root,) = list((work / "src").iterdir())
-    return root
+    return fetch_sdist(work, importlib.metadata.version("flax"), "flax", "https://github.com/google/flax")
 
 
 # -- the examples -------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from scalify import _jax_compat as jc
 from scalify import _walk
+from scalify._scaled_array import split_leaves
 from scalify.amp._policy import (
     BindRule,
     QuantizeInputs,
@@ -130,10 +130,6 @@ def eval_jaxpr(ctx: _Context, closed, args, scopes: tuple[str, ...] = ()) -> lis
 # ------------------------------------------------------------------------------------------------
 
 
-def _is_dynamic(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Mapping | None = None) -> Callable:
     """Run ``fn`` with some operations in low precision (automatic mixed precision).
 
@@ -157,17 +153,13 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        # No is_leaf: a ScaledArray argument is traced as its data and scale arrays.
+        dyn, rebuild = split_leaves((args, kwargs))
 
-        def flat_fn(*dyn):
-            full = list(leaves)
-            for i, x in zip(dyn_idx, dyn, strict=True):
-                full[i] = x
-            a, k = jax.tree.unflatten(treedef, full)
+        def flat_fn(*flat):
+            a, k = rebuild(flat)
             return fn(*a, **k)
 
-        dyn = [leaves[i] for i in dyn_idx]
         scopes = tuple(jc.scope_names(jc.current_name_stack()))
         with jc.fresh_name_stack():
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
