@@ -16,6 +16,7 @@ from jax import lax
 
 from scalify import _walk
 from scalify._config import get_config
+from scalify._in_place import holds_graph_nodes, lift_in_place
 from scalify._jax_compat import Literal, bind_eqn, bind_params, is_tracer, logical_aval, p
 from scalify._registry import RULES, ScalifyUnsupportedError
 from scalify._rules_common import (
@@ -278,11 +279,14 @@ def scalify(fun):
     plain arrays; every other argument is passed as it is, so ``jax.jit(scalify(f),
     static_argnums=...)`` works as it does for ``f``), then its jaxpr is evaluated with scaling
     rules. Equations without scaled operands are bound unchanged. Plain inputs only:
-    ``scalify(fun)`` calls ``fun`` directly.
+    ``scalify(fun)`` calls ``fun`` directly. flax NNX modules, optimizers and metrics among the
+    arguments may be updated in place, as under ``nnx.jit`` (:mod:`scalify._in_place`).
     """
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
+        if holds_graph_nodes((args, kwargs)):
+            return lift_in_place(scalify, fun, args, kwargs)
         leaves, rebuild = split_leaves((args, kwargs), is_leaf=is_scaled_leaf)
 
         def flat_fun(*flat):

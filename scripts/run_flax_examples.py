@@ -5,35 +5,39 @@
     python scripts/run_flax_examples.py --only lm1b,wmt --formats all --markdown
 
 The programs are the ``train_step`` functions of flax's ``examples/`` (seq2seq, sst2, vae, lm1b,
-wmt, nlp_seq, imagenet), read from flax's sdist of the installed version (or ``--source DIR``);
-nothing of them is copied into this repository. Each example's ``train.py`` is imported as it is,
-and its ``train_step`` is called as the example's own ``main`` calls it: under ``jax.jit`` with the
-same static arguments, or under ``jax.pmap(axis_name="batch")`` where the step averages gradients
-with ``lax.pmean`` (wmt, nlp_seq, imagenet; one device here). The only change is
-``jax.jit(train_step)`` -> ``jax.jit(scalify.scalify(train_step))``.
+wmt, nlp_seq, imagenet, and the NNX examples mnist and gemma), read from flax's sdist of the
+installed version (or ``--source DIR``); nothing of them is copied into this repository. Each
+example's ``train.py`` is imported as it is, and its ``train_step`` is called as the example's own
+``main`` calls it: under ``jax.jit`` with the same static arguments, under
+``jax.pmap(axis_name="batch")`` where the step averages gradients with ``lax.pmean`` (wmt, nlp_seq,
+imagenet; one device here), or under ``nnx.jit`` where the step updates NNX modules, optimizer,
+metrics and Rngs in place (mnist; gemma, whose ``jax.jit`` mode runs too as ``gemma+jax.jit``).
+The only change is ``jax.jit(train_step)`` -> ``jax.jit(scalify.scalify(train_step))``.
 
 What the script supplies, and why
 ---------------------------------
 * **Data and logging modules are stand-ins.** The examples import ``tensorflow``,
-  ``tensorflow_datasets``, ``clu``, ``ml_collections``, ``tensorboard``, ``sentencepiece`` and
-  ``PIL`` at module level for input pipelines, tokenizers, metric writers and image files; no train
-  step calls them. An import hook serves any module under those names (when not installed) as an
-  inert placeholder.
+  ``tensorflow_datasets``, ``clu``, ``ml_collections``, ``tensorboard``, ``sentencepiece``, ``PIL``,
+  ``grain``, ``orbax`` and ``jaxtyping`` at module level for input pipelines, tokenizers, metric
+  writers, checkpoints, image files and annotations; no train step calls them. An import hook
+  serves any module under those names (when not installed) as an inert placeholder.
 * **Small configurations and synthetic batches** (built with the examples' own constructors and
   initialisation functions): widths 32-64, two layers, a batch of 4-16. Shapes are multiples of 32
   where the example allows, so that MX and NVFP4 layouts accept the kernels.
 * **The optimiser.** Every state gets ``optax.adam(1e-2, eps=1e-2)`` (the third-party harness's
-  optimiser): with the examples' ``eps=1e-8`` the first Adam step is ``lr * sign(g)``, and a
-  gradient entry that is zero up to float32 rounding would flip sign. The optimiser state is
+  optimiser; gemma keeps its own ``adamw`` and schedule, with ``eps=1e-2``): with the examples'
+  ``eps=1e-8`` the first Adam step is ``lr * sign(g)``, and a gradient entry that is zero up to
+  float32 rounding would flip sign. The optimiser state is
   initialised on the float32 parameters; see ``docs/examples.md`` for why not on MX ones.
 * **Flax's ``DynamicScale``** (wmt, imagenet): each of the two runs once more with
   ``TrainState(dynamic_scale=DynamicScale())``, the half-precision path of those examples.
 
 The check: parameters whose shape the format's layout accepts (rank >= 2, blocks that fit) are
-quantized with ``as_scaled_array(p, fmt=...)``; the reference is the same ``train_step`` in float32
-on the dequantized parameters. Every leaf of the returned state and metrics must agree within the
-third-party harness's tolerance (``tests/thirdparty/thirdparty_harness.py``: float32 propagation
-error, far below any format's element rounding).
+quantized with ``as_scaled_array(p, fmt=...)`` (NNX: in the model, after its optimizer is built);
+the reference is the same ``train_step`` in float32 on the dequantized parameters. Every leaf of
+the returned state and metrics (NNX: of every object the step updates, and of its outputs) must
+agree within the third-party harness's tolerance (``tests/thirdparty/thirdparty_harness.py``:
+float32 propagation error, far below any format's element rounding).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from _jax_scalify_source import fetch_sdist  # noqa: E402
 from thirdparty_harness import (  # noqa: E402
     FAMILY_REPRESENTATIVES,
@@ -82,6 +87,9 @@ STAND_INS = (
     "ml_collections",
     "sentencepiece",
     "PIL",
+    "grain",
+    "orbax",
+    "jaxtyping",
 )
 
 
@@ -140,7 +148,27 @@ def fetch_flax(work: Path) -> Path:
 # -- the examples -------------------------------------------------------------------------------------
 # Each builder takes the examples directory and returns (state, run, train_step): run(step, state)
 # calls `step` (the example's train_step, or scalify of it) the way the example's main does.
-_EXAMPLE_MODULES = ("train", "models", "input_pipeline", "utils", "temperature_sampler", "decode", "bleu", "tokenizer")
+_EXAMPLE_MODULES = (
+    "train",
+    "models",
+    "input_pipeline",
+    "utils",
+    "temperature_sampler",
+    "decode",
+    "bleu",
+    "tokenizer",
+    # gemma's
+    "transformer",
+    "transformer_cfg",
+    "train_cfg",
+    "modules",
+    "layers",
+    "helpers",
+    "params",
+    "positional_embeddings",
+    "sampler",
+    "sow_lib",
+)
 
 
 def _load(examples: Path, name: str, *modules):
@@ -287,6 +315,87 @@ def imagenet(examples, dynamic_scale=False):
     return state, lambda step, st: run(step, st, batch), train.train_step
 
 
+# -- NNX examples: the step changes the model, optimizer, metrics and Rngs in place ----------------
+# Each builder returns (build, run, train_step): build() makes fresh objects (same seeds every call),
+# run(step, objects) calls the step the way the example's main does and returns its output.
+
+
+def mnist(examples):
+    """CNN with Conv, BatchNorm, Dropout and avg_pool; ``@nnx.jit`` step updating everything in place."""
+    from flax import nnx
+
+    (train,) = _load(examples, "mnist", "train")
+
+    def build():
+        model = train.CNN(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, make_optimizer(), wrt=nnx.Param)
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+        return model, optimizer, metrics, nnx.Rngs(0)
+
+    rng = np.random.default_rng(0)
+    batch = {"image": jnp.asarray(rng.random((8, 28, 28, 1)), jnp.float32), "label": _tokens(1, (8,), 0, 10)}
+
+    def run(step, objects):
+        model, optimizer, metrics, rngs = objects
+        model.train()
+        return nnx.jit(step)(model, optimizer, metrics, batch, rngs)
+
+    # The module decorates its step with @nnx.jit; the undecorated function is what a user wraps.
+    return build, run, train.train_step.__wrapped__
+
+
+def _gemma(examples, variant):
+    from flax import nnx
+
+    train, transformer_lib, transformer_cfg = _load(examples, "gemma", "train", "transformer", "transformer_cfg")
+    config = transformer_lib.TransformerConfig.from_dict(
+        num_layers=2,
+        num_embed=64,
+        embed_dim=64,
+        hidden_dim=128,
+        num_heads=2,
+        head_dim=32,
+        num_kv_heads=1,
+        use_post_attn_norm=False,
+        use_post_ffw_norm=False,
+        attention_types=(1, 1),
+        final_logit_softcap=None,
+        shd_config=transformer_cfg.ShardingConfig.no_sharding(),
+    )
+
+    def build():
+        model = transformer_lib.Transformer(config, rngs=nnx.Rngs(params=0, dropout=0))
+        schedule = train.create_learning_rate_schedule(learning_rate=1e-2, warmup_steps=10)
+        tx = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-2, weight_decay=0.1)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
+        return model, optimizer, nnx.Rngs(params=0, dropout=0), metrics
+
+    # As the example's input pipeline makes them: sequences padded with 0 (the pad id) to 16 tokens,
+    # targets shifted one token left, positions and segment ids of packed examples.
+    lengths = np.array([16, 13, 9, 6])
+    inputs = np.where(np.arange(16) < lengths[:, None], np.asarray(_tokens(0, (4, 16), 1, 64)), 0)
+    batch = {
+        "inputs": jnp.asarray(inputs),
+        "targets": jnp.asarray(np.pad(inputs[:, 1:], [(0, 0), (0, 1)])),
+        "inputs_position": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (4, 16)),
+        "inputs_segmentation": jnp.asarray(inputs > 0, jnp.int32),
+    }
+    step = train.nnx_train_step if variant == "nnx" else train.jax_train_step
+    jit = nnx.jit if variant == "nnx" else jax.jit
+
+    def run(step, objects):
+        # As gemma's main: static label_smoothing and pad_id; the jax.jit step returns the new state.
+        model, optimizer, rngs, metrics = objects
+        out = jit(step, static_argnames=("label_smoothing", "pad_id"))(model, optimizer, rngs, batch, metrics, 0.0, 0)
+        if variant == "jax":
+            updates, out = out
+            nnx.update(objects, updates)
+        return out
+
+    return build, run, functools.partial(step, with_capture=False)
+
+
 EXAMPLES = {
     "seq2seq": seq2seq,
     "sst2": sst2,
@@ -297,7 +406,11 @@ EXAMPLES = {
     "nlp_seq": nlp_seq,
     "imagenet": imagenet,
     "imagenet+DynamicScale": functools.partial(imagenet, dynamic_scale=True),
+    "mnist": mnist,
+    "gemma": functools.partial(_gemma, variant="nnx"),
+    "gemma+jax.jit": functools.partial(_gemma, variant="jax"),
 }
+NNX_EXAMPLES = ("mnist", "gemma", "gemma+jax.jit")
 
 
 def check(state, run, train_step, fmt) -> tuple[str, str]:
@@ -311,6 +424,28 @@ def check(state, run, train_step, fmt) -> tuple[str, str]:
         expected = run(train_step, state.replace(params=dparams, opt_state=opt_state))
         got = run(scalify.scalify(train_step), state.replace(params=qparams, opt_state=opt_state))
         assert_tree_close(got, expected, fmt, "state and metrics")
+    except Exception as exc:  # reported per example and format (traceback on stderr), not raised
+        traceback.print_exc()
+        return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+    return "ok", f"{n_scaled(qparams)} parameters scaled"
+
+
+def check_nnx(build, run, train_step, fmt) -> tuple[str, str]:
+    """(outcome, detail) of an NNX example's step on ``fmt`` parameters against float32: the objects
+    the step updates in place must hold the same state afterwards, and the outputs must agree."""
+    from flax import nnx
+
+    got_objects, expected_objects = build(), build()
+    qparams = quantize_tree(nnx.state(got_objects[0], nnx.Param), fmt)
+    if n_scaled(qparams) == 0:
+        return "n/a", f"no parameter has a shape that {fmt.name} accepts"
+    nnx.update(got_objects[0], qparams)
+    nnx.update(expected_objects[0], dequantize_tree(qparams))
+    try:
+        expected = run(train_step, expected_objects)
+        got = run(scalify.scalify(train_step), got_objects)
+        assert_tree_close(got, expected, fmt, "outputs")
+        assert_tree_close(nnx.state(got_objects), nnx.state(expected_objects), fmt, "state after the step")
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
         traceback.print_exc()
         return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
@@ -348,7 +483,7 @@ def main(argv=None) -> int:
         for name in names:
             state, run, train_step = EXAMPLES[name](examples)
             for fmt in formats:
-                outcome, detail = check(state, run, train_step, fmt)
+                outcome, detail = (check_nnx if name in NNX_EXAMPLES else check)(state, run, train_step, fmt)
                 rows.append((name, fmt.name, outcome, detail))
                 print(f"{name:22s} {fmt.name:18s} {outcome:5s} {detail}", flush=True)
     if args.markdown:

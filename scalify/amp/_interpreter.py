@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from scalify import _jax_compat as jc
 from scalify import _walk
+from scalify._in_place import holds_graph_nodes, lift_in_place
 from scalify._scaled_array import split_leaves
 from scalify.amp._policy import (
     BindRule,
@@ -153,6 +154,8 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
+        if holds_graph_nodes((args, kwargs)):
+            return lift_in_place(lambda f: amp(f, compute_dtype=compute_dtype, amp_policy=amp_policy), fn, args, kwargs)
         # No is_leaf: a ScaledArray argument is traced as its data and scale arrays.
         dyn, rebuild = split_leaves((args, kwargs))
 

@@ -4,9 +4,10 @@ The script downloads flax's sdist (the installed version) and imports the exampl
 test needs PyPI, as the install that CI runs first does. It runs in a subprocess: the script serves
 stand-ins for tensorflow and friends through an import hook that must not reach other tests.
 
-Four of the examples: ``jax.jit`` with an LSTM under ``nn.scan`` (seq2seq) and with a static
+Six of the examples: ``jax.jit`` with an LSTM under ``nn.scan`` (seq2seq) and with a static
 argument (vae), ``pmap`` + ``lax.pmean`` with a Transformer (nlp_seq), ``pmap`` with BatchNorm
-state and flax's ``DynamicScale`` (imagenet), in one MX and the per-channel integer format.
+state and flax's ``DynamicScale`` (imagenet), and the NNX steps that update their modules in place
+under ``nnx.jit`` (mnist's CNN, the gemma transformer), in one MX and the per-channel integer format.
 ``docs/examples.md`` has the full table from the script.
 """
 
@@ -21,7 +22,7 @@ import pytest
 pytest.importorskip("flax", reason="flax is not installed (pip install -e '.[test]')")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "run_flax_examples.py"
-EXAMPLES = ("seq2seq", "vae", "nlp_seq", "imagenet+DynamicScale")
+EXAMPLES = ("seq2seq", "vae", "nlp_seq", "imagenet+DynamicScale", "mnist", "gemma")
 FORMATS = ("mxfp8", "int8_per_channel")
 
 

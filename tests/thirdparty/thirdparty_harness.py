@@ -120,8 +120,15 @@ def n_scaled(tree) -> int:
     return sum(isinstance(v, scalify.ScaledArray) for v in jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf))
 
 
+def _number(v):
+    """A leaf as float64 values; a PRNG key (an NNX ``Rngs`` stream) as its raw bits."""
+    if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+        v = jax.random.key_data(v)
+    return np.asarray(v, np.float64)
+
+
 def _values(tree):
-    return [np.asarray(v, np.float64) for v in jax.tree.leaves(dequantize_tree(tree))]
+    return [_number(v) for v in jax.tree.leaves(dequantize_tree(tree))]
 
 
 def assert_tree_close(got, expected, fmt, what: str):
