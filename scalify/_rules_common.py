@@ -277,8 +277,9 @@ def _renormalize(v, scale, *, dtype, mode):
     v = jnp.asarray(v, F32)
     scale = jnp.asarray(scale, F32)
     grid = () if v.ndim == 0 else tuple(scale.shape)
-    r = safe_scale(pow2_round(safe_scale(block_amax(v, grid)), mode))
-    return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r
+    amax = block_amax(v, grid)
+    r = safe_scale(pow2_round(safe_scale(amax), mode))
+    return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), _zero_rescaled(amax, scale * r)
 
 
 def measured() -> bool:
@@ -296,8 +297,9 @@ def settle(v, scale, dtype, *, per_block: bool = False) -> ScaledArray:
 
     One reduction: if the absolute max of ``v`` lies outside the window, it is rounded down to a
     power of two ``r`` that moves from the data into the scale (``data = v / r``, ``scale * r``:
-    exact), so the data's amax lands in ``[1, 2)``; inside the window (and for an all-zero or
-    non-finite ``v``) nothing changes. A block grid keeps its shape (the factor is common to all
+    exact), so the data's amax lands in ``[1, 2)``; inside the window (and for a non-finite ``v``)
+    nothing changes, and an all-zero ``v`` whose scale drifted out of ``[2^-32, 2^32]`` gets scale 1
+    (:func:`_zero_rescaled`). A block grid keeps its shape (the factor is common to all
     blocks), so per-channel and outer-product grids stay as the rule built them; with
     ``per_block`` each block of the grid is settled on its own amax instead.
     """
@@ -305,23 +307,39 @@ def settle(v, scale, dtype, *, per_block: bool = False) -> ScaledArray:
 
 
 def _settle_factor(v, scale, per_block):
-    """``(keep, r)``: per block of the grid, whether the amax of ``v`` is inside the window (or has
-    no power of two to move: zero, NaN, Inf), and the power of two ``r`` that moves into the scale."""
+    """``(keep, r, amax)``: per block of the grid, whether the amax of ``v`` is inside the window (or
+    has no power of two to move: zero, NaN, Inf), the power of two ``r`` that moves into the scale,
+    and the amax."""
     grid = tuple(scale.shape) if per_block and scale.ndim and scale.ndim == v.ndim else ()
     amax = block_amax(v, grid)
     inside = (amax >= np.float32(1 / WINDOW)) & (amax <= np.float32(WINDOW))
     keep = inside | ~(lax.is_finite(amax) & (amax > 0))
     # A select, not a conditional: under shard_map's varying-axis checking the two branches of a
     # cond would have different types (the measured factor varies, the kept scale may not).
-    return keep, lax.select(keep, lax.full_like(amax, 1.0), pow2_round(amax, Pow2RoundMode.DOWN))
+    return keep, lax.select(keep, lax.full_like(amax, 1.0), pow2_round(amax, Pow2RoundMode.DOWN)), amax
+
+
+def _zero_rescaled(amax, scale):
+    """``scale``, with 1 where the block's ``amax`` is 0 and the scale has left ``[2^-32, 2^32]``
+    (Inf included; a scale of exactly 0 stays, as jax-scalify's ``set_scaling(x, 0)`` gives it):
+    the value is zero either way.
+
+    A block of zeros measures nothing, so its scale is the rule's static product of its operands'
+    scales. Along a chain of zero cotangents (the exactly-zero BatchNorm gradients of a ResNet's
+    deep blocks) that product drifted without bound: 2^121 after 16 Haiku ResNet blocks, then Inf,
+    and a zero times an Inf scale is NaN (jmp's loss scaling then skipped every step). Only the
+    scale changes, so the data's fusion does not read the scale chain.
+    """
+    drifted = (amax == 0) & ((scale > SCALE_WINDOW) | ((scale < 1 / SCALE_WINDOW) & (scale != 0)))
+    return jnp.where(drifted, np.float32(1.0), scale)
 
 
 @staged("dtype", "per_block")
 def _settle(v, scale, *, dtype, per_block, mode):
     del mode
     v, scale = jnp.asarray(v, F32), jnp.asarray(scale, F32)
-    _, r = _settle_factor(v, scale, per_block)
-    return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), scale * r
+    _, r, amax = _settle_factor(v, scale, per_block)
+    return (v * expand_scale(1.0 / r, v.shape)).astype(dtype), _zero_rescaled(amax, scale * r)
 
 
 @staged("per_block")
@@ -336,8 +354,8 @@ def _settle_stored(data, scale, *, per_block, mode):
     """
     del mode
     scale = jnp.asarray(scale, F32)
-    keep, r = _settle_factor(jnp.asarray(data, F32), scale, per_block)
-    return _divide_unless(data, r, jnp.all(keep)), scale * r
+    keep, r, amax = _settle_factor(jnp.asarray(data, F32), scale, per_block)
+    return _divide_unless(data, r, jnp.all(keep)), _zero_rescaled(amax, scale * r)
 
 
 # Up to this many elements, a pass that a conditional or a loop would skip costs no more than the

@@ -132,9 +132,9 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install_stand_ins():
-    """Serve the modules of STAND_INS that are not installed as inert placeholders."""
-    missing = [m for m in STAND_INS if importlib.util.find_spec(m) is None]
+def install_stand_ins(names=STAND_INS):
+    """Serve the modules of ``names`` that are not installed as inert placeholders."""
+    missing = [m for m in names if importlib.util.find_spec(m) is None]
     if missing:
         sys.meta_path.insert(0, _StandIns(missing))
     return missing

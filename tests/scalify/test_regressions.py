@@ -317,3 +317,44 @@ def test_regression_cast_ml_dtype_survives_a_reduction_under_jit(dtype):
     got = jax.jit(lambda v: jnp.max(ops.cast_ml_dtype(v, dt).reshape(1024, 8, 128), -1))(x)
     want = x.astype(dt).astype(np.float32).reshape(1024, 8, 128).max(-1)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def _zero_chain(op, x, factors):
+    def f(y, factors):
+        for w in factors:
+            y = op(y, w)
+        return y, y + 1.0
+
+    return f, (x, factors)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # Contractions with weights on scale 2^8: the output's static scale grows 2^8 per layer
+        # (settled on a measured amax that a zero tensor does not have).
+        lambda: _zero_chain(
+            jnp.matmul,
+            _carrier(np.zeros((4, 8)), 1.0),
+            [_carrier(RNG.standard_normal((8, 8)) / 3, 256.0) for _ in range(20)],
+        ),
+        # float16 quotients by divisors on scale 2^-8: renormalised per block, which a zero block
+        # cannot move either.
+        lambda: _zero_chain(
+            jnp.divide,
+            _carrier(np.zeros((4, 8)), 1.0, jnp.float16),
+            [_carrier(RNG.uniform(1, 2, (4, 8)), 2.0**-8, jnp.float16) for _ in range(20)],
+        ),
+    ],
+    ids=["matmul", "float16-divide"],
+)
+def test_zeros_along_a_chain_keep_a_finite_scale(case):
+    """A tensor of zeros carried through a chain of scaled operations stays zero (found on Haiku's
+    ResNet example: the exactly-zero BatchNorm gradients of 16 blocks reached scale 2^121, then Inf,
+    and a zero times an Inf scale is NaN). Before the fix both chains returned NaN."""
+    f, args = case()
+    for wrap in MODES.values():
+        y, z = wrap(jsa.scalify(f))(*args)
+        np.testing.assert_array_equal(_deq(y), np.zeros((4, 8), np.float32))
+        np.testing.assert_array_equal(_deq(z), np.ones((4, 8), np.float32))
+        assert 2.0**-32 <= float(jnp.max(y.scale)) <= 2.0**32
