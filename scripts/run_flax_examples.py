@@ -425,8 +425,7 @@ def check(state, run, train_step, fmt) -> tuple[str, str]:
         got = run(scalify.scalify(train_step), state.replace(params=qparams, opt_state=opt_state))
         assert_tree_close(got, expected, fmt, "state and metrics")
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
-        traceback.print_exc()
-        return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        return failure(exc)
     return "ok", f"{n_scaled(qparams)} parameters scaled"
 
 
@@ -447,30 +446,52 @@ def check_nnx(build, run, train_step, fmt) -> tuple[str, str]:
         assert_tree_close(got, expected, fmt, "outputs")
         assert_tree_close(nnx.state(got_objects), nnx.state(expected_objects), fmt, "state after the step")
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
-        traceback.print_exc()
-        return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        return failure(exc)
     return "ok", f"{n_scaled(qparams)} parameters scaled"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", type=Path, help="unpacked flax sdist or git clone (holding examples/)")
-    parser.add_argument("--only", help=f"comma-separated examples (default all: {', '.join(EXAMPLES)})")
+def failure(exc) -> tuple[str, str]:
+    """``("FAIL", first line)`` of an exception, its traceback printed to stderr."""
+    traceback.print_exc()
+    return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+
+
+def parse_cli(doc, examples, package, argv):
+    """``(args, names, formats)`` of the examples scripts' command line (``--source``, ``--only``,
+    ``--formats``, ``--markdown``), the example names and formats validated."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--source", type=Path, help=f"unpacked {package} sdist or git clone (holding examples/)")
+    parser.add_argument("--only", help=f"comma-separated examples (default all: {', '.join(examples)})")
     parser.add_argument("--formats", help="comma-separated formats, or 'all' (default: one per family)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
 
-    names = args.only.split(",") if args.only else list(EXAMPLES)
-    unknown = [n for n in names if n not in EXAMPLES]
+    names = args.only.split(",") if args.only else list(examples)
+    unknown = [n for n in names if n not in examples]
     if unknown:
-        parser.error(f"unknown example(s) {unknown}; choose from {list(EXAMPLES)}")
+        parser.error(f"unknown example(s) {unknown}; choose from {list(examples)}")
     formats = args.formats.split(",") if args.formats and args.formats != "all" else None
     formats = list(qf.list_formats()) if args.formats == "all" else formats or list(FAMILY_REPRESENTATIVES)
     unknown = [f for f in formats if f not in qf.list_formats()]
     if unknown:
         parser.error(f"unknown format(s) {unknown}; choose from {list(qf.list_formats())} or 'all'")
-    formats = [qf.get_format(f) for f in formats]
+    return args, names, [qf.get_format(f) for f in formats]
 
+
+def summary(rows, names, formats, markdown: bool) -> int:
+    """Print the (example, format) outcomes (and a markdown table); the exit status."""
+    if markdown:
+        print("\n| example | " + " | ".join(f.name for f in formats) + " |")
+        print("| --- |" + " --- |" * len(formats))
+        for name in names:
+            print(f"| {name} | " + " | ".join(r[2] for r in rows if r[0] == name) + " |")
+    failed = [r for r in rows if r[2] == "FAIL"]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} (example, format) pairs ok or n/a; {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    args, names, formats = parse_cli(__doc__, EXAMPLES, "flax", argv)
     stand_ins = install_stand_ins()
     with tempfile.TemporaryDirectory(prefix="flax_examples_") as tmp:
         root = args.source.resolve() if args.source else fetch_flax(Path(tmp))
@@ -486,15 +507,7 @@ def main(argv=None) -> int:
                 outcome, detail = (check_nnx if name in NNX_EXAMPLES else check)(state, run, train_step, fmt)
                 rows.append((name, fmt.name, outcome, detail))
                 print(f"{name:22s} {fmt.name:18s} {outcome:5s} {detail}", flush=True)
-    if args.markdown:
-        print("\n| example | " + " | ".join(f.name for f in formats) + " |")
-        print("| --- |" + " --- |" * len(formats))
-        for name in names:
-            cells = [r[2] for r in rows if r[0] == name]
-            print(f"| {name} | " + " | ".join(cells) + " |")
-    failed = [r for r in rows if r[2] == "FAIL"]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} (example, format) pairs ok or n/a; {len(failed)} failed")
-    return 1 if failed else 0
+    return summary(rows, names, formats, args.markdown)
 
 
 if __name__ == "__main__":

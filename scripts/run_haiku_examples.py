@@ -26,12 +26,10 @@ third-party harness's tolerance.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.metadata
 import sys
 import tempfile
-import traceback
 import types
 from pathlib import Path
 
@@ -44,10 +42,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _jax_scalify_source import fetch_sdist  # noqa: E402
-from run_flax_examples import install_stand_ins  # noqa: E402
-from thirdparty_harness import FAMILY_REPRESENTATIVES, assert_tree_close, dequantize_tree, n_scaled, quantize_tree  # noqa: E402
+from run_flax_examples import failure, install_stand_ins, parse_cli, summary  # noqa: E402
+from thirdparty_harness import assert_tree_close, dequantize_tree, n_scaled, quantize_tree  # noqa: E402
 
-import qformats as qf  # noqa: E402
 import scalify  # noqa: E402
 
 STAND_INS = ("tensorflow", "tensorflow_datasets")
@@ -182,30 +179,12 @@ def check(state, run, update, init_opt, fmt) -> tuple[str, str]:
         got = run(scalify.scalify(update), state._replace(params=qparams, opt_state=opt_state))
         assert_tree_close(got, expected, fmt, "state and metrics")
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
-        traceback.print_exc()
-        return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        return failure(exc)
     return "ok", f"{n_scaled(qparams)} parameters scaled"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", type=Path, help="unpacked dm-haiku sdist or git clone (holding examples/)")
-    parser.add_argument("--only", help=f"comma-separated examples (default all: {', '.join(EXAMPLES)})")
-    parser.add_argument("--formats", help="comma-separated formats, or 'all' (default: one per family)")
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    args = parser.parse_args(argv)
-
-    names = args.only.split(",") if args.only else list(EXAMPLES)
-    unknown = [n for n in names if n not in EXAMPLES]
-    if unknown:
-        parser.error(f"unknown example(s) {unknown}; choose from {list(EXAMPLES)}")
-    formats = args.formats.split(",") if args.formats and args.formats != "all" else None
-    formats = list(qf.list_formats()) if args.formats == "all" else formats or list(FAMILY_REPRESENTATIVES)
-    unknown = [f for f in formats if f not in qf.list_formats()]
-    if unknown:
-        parser.error(f"unknown format(s) {unknown}; choose from {list(qf.list_formats())} or 'all'")
-    formats = [qf.get_format(f) for f in formats]
-
+    args, names, formats = parse_cli(__doc__, EXAMPLES, "dm-haiku", argv)
     stand_ins = install_stand_ins(STAND_INS)
     version = importlib.metadata.version("dm-haiku")
     with tempfile.TemporaryDirectory(prefix="haiku_examples_") as tmp:
@@ -224,14 +203,7 @@ def main(argv=None) -> int:
                 outcome, detail = check(*built, fmt)
                 rows.append((name, fmt.name, outcome, detail))
                 print(f"{name:12s} {fmt.name:18s} {outcome:5s} {detail}", flush=True)
-    if args.markdown:
-        print("\n| example | " + " | ".join(f.name for f in formats) + " |")
-        print("| --- |" + " --- |" * len(formats))
-        for name in names:
-            print(f"| {name} | " + " | ".join(r[2] for r in rows if r[0] == name) + " |")
-    failed = [r for r in rows if r[2] == "FAIL"]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} (example, format) pairs ok or n/a; {len(failed)} failed")
-    return 1 if failed else 0
+    return summary(rows, names, formats, args.markdown)
 
 
 if __name__ == "__main__":
