@@ -47,8 +47,8 @@ def train_step(model, optimizer, metrics, x, labels):
     optimizer.update(model, grads)
 
 
-def _objects(fmt=None):
-    """Fresh (model, optimizer, metrics); the kernels quantized in ``fmt`` or dequantized from it."""
+def _objects():
+    """Fresh (model, optimizer, metrics), the same every call (seeded)."""
     model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, make_optimizer(), wrt=nnx.Param)  # on float32 (docs/examples.md)
     metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
