@@ -200,7 +200,7 @@ def test_blocks_near_a_power_of_two_differ_by_one_exponent_at_most_and_only_insi
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf])
 def test_a_block_holding_nan_or_inf_is_nan_here_and_leaves_the_other_blocks_alike(name, special):
-    """NVFP4's Inf saturates (scale clamped to 448, elements to 6), as in torchao and in qwix."""
+    """NVFP4's Inf saturates (scale clamped to 448, elements to 6) here and in qwix alike."""
     x = _lift(name, _wide_rows(7))
     x[1, 3] = special
     x[2] = 0.0  # an all-zero row: zero blocks, zero in both
@@ -238,7 +238,7 @@ def test_a_block_below_qwix_guard_is_kept_here_and_flushed_by_qwix(name):
     assert _same(values[:, 32:], q_values[:, 32:]).all() and _same(values[1:], q_values[1:]).all()
 
 
-def test_nvfp4_block_scale_below_e4m3_normal_is_clamped_here_and_rounded_down_by_qwix():
+def test_nvfp4_block_scale_below_e4m3_normal_is_clamped_here_and_rounded_to_e4m3_by_qwix():
     x = _lift("nvfp4", _wide_rows(3))
     x[0, :16] = np.linspace(-0.05, 0.05, 16, dtype=np.float32)  # amax / 6 < 2^-6
     (_, scales, _), (_, q_scales, _) = _run_both("nvfp4", x)

@@ -30,6 +30,14 @@ from ._common import RATIO_SHAPE, SHAPES, SMALL, block, interleaved_ratio, make_
 SCHEMES = ("mxfp8", "mxfp4", "nvfp4", "fp8_e4m3", "int8_per_channel")
 
 
+def _require_qwix():
+    try:
+        import qwix
+    except ImportError:
+        raise NotImplementedError("qwix is not installed (pip install qwix)") from None
+    return qwix
+
+
 def _pair(name):
     """``(our format, qwix quantize function)`` for ``name`` on a rank-2 array."""
     import jax.numpy as jnp
@@ -83,14 +91,6 @@ class Qwix:
 
 
 STEP_DIMS = (32, 64, 128) if SMALL else (256, 1024, 4096)  # tokens, d_model, d_hidden
-
-
-def _require_qwix():
-    try:
-        import qwix
-    except ImportError:
-        raise NotImplementedError("qwix is not installed (pip install qwix)") from None
-    return qwix
 
 
 class QwixTrainingStep:
