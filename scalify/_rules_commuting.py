@@ -214,6 +214,41 @@ register_rule(
 )(_argrule)
 
 
+def _constant_along(x: ScaledArray, axis: int) -> ScaledArray:
+    """``x`` with one scale along ``axis`` (its own when a block spans the axis, else folded).
+
+    Positive scales preserve order, so ranking ``data`` along an axis of constant scale ranks the
+    values; folding rescales by powers of two, exact up to underflow as in :func:`fold`.
+    """
+    return x if per_tensor(x) or x.scale.shape[axis] == 1 else fold(x)
+
+
+@register_rule(
+    [p.top_k_p] + [q for q in (lax_primitive("approx_top_k"),) if q is not None],
+    "commuting",
+    "ranked on data (scale constant along the axis: blocks spanning it kept, else folded); "
+    "values keep the scale, indices plain.",
+)
+def _top_k(eqn, x):
+    axis = eqn.params.get("axis", eqn.params.get("reduction_dimension", -1)) % x.data.ndim
+    x = _constant_along(x, axis)
+    values, indices = bind_eqn(eqn, [x.data])
+    return ScaledArray(values, x.scale), indices
+
+
+@register_rule(
+    p.sort_p,
+    "commuting",
+    "keys ranked on data (scale constant along the sorted axis: blocks spanning it kept, else folded); "
+    "every operand permuted with its scale kept.",
+)
+def _sort(eqn, *xs):
+    dim = eqn.params["dimension"]
+    xs = [_constant_along(x, dim) if isinstance(x, ScaledArray) else x for x in xs]
+    outs = bind_eqn(eqn, [x.data if isinstance(x, ScaledArray) else x for x in xs])
+    return [ScaledArray(o, x.scale) if isinstance(x, ScaledArray) else o for o, x in zip(outs, xs, strict=True)]
+
+
 def _cmp(eqn, *xs):
     datas, _ = align(list(xs), dtype=F32, finite=True)
     return bind_eqn(eqn, datas)[0]

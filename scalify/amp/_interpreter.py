@@ -107,7 +107,7 @@ class _Amp(_walk.Walk):
         subfuns, params = jc.get_bind_params(prim, eqn.params)
         if isinstance(rule, BindRule):
             invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
-            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars])
+            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars], scopes)
         orig_dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
         if isinstance(rule, QuantizeInputs):
             invals, params = rule.apply(prim, self.ctx.compute_dtype, orig_dtypes, invals, params)

@@ -34,13 +34,17 @@ class RecipeContraction(BindRule):
     def __repr__(self):
         return f"RecipeContraction({self.recipe.name!r})"
 
-    def bind(self, primitive, invals, params, out_avals):
+    def bind(self, primitive, invals, params, out_avals, scopes=()):
         x, w = invals
         if not (_is_float(x) and _is_float(w)):
             return [primitive.bind(x, w, **params)]
         op = Contraction(primitive, tuple(sorted(params.items())))
+        if not op.aims(x.ndim, w.ndim)["fwd_lhs"].contracted:
+            # An outer product (rotary embeddings' positions x frequencies) is no GEMM of a linear
+            # layer; its gradients are reductions against a vector. All three keep the program's precision.
+            return [primitive.bind(x, w, **params)]
         out_dtype = self.recipe.out_dtype or out_avals[0].dtype
-        return [recipe_contraction(self.recipe, op, out_dtype, x, w).astype(out_avals[0].dtype)]
+        return [recipe_contraction(self.recipe, op, out_dtype, tuple(scopes), x, w).astype(out_avals[0].dtype)]
 
 
 def policy(recipe: Recipe) -> dict:

@@ -16,10 +16,12 @@ run the two backward GEMMs this way, so the roles are known, not guessed from a 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scalify.recipes._recipe import ROLES, Recipe
@@ -81,6 +83,27 @@ def digest(x):
     return jnp.sum(lax.bitcast_convert_type(x.astype(_F32), jnp.int32), dtype=jnp.int32)
 
 
+class _View(NamedTuple):
+    """Where an operand is quantized: ``perm`` of its axes, then a reshape to ``shape``."""
+
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def _gemm_view(aim: _Aim, shape) -> tuple[_View, _Aim]:
+    """The GEMM's view of an operand: batch axes, then its free axes merged (M), then its summed
+    axes merged (K), as torchao and TE quantize a 2-D ``M x K`` operand; and the aim on that view.
+
+    A block along the merged K groups elements that share every batch and free index, so it still
+    factors out of the GEMM's sum.
+    """
+    summed, free = sorted(aim.contracted), sorted(aim.free)
+    batch = [a for a in range(len(shape)) if a not in summed and a not in free]
+    n = len(batch)
+    merged = (*(shape[a] for a in batch), math.prod(shape[a] for a in free), math.prod(shape[a] for a in summed))
+    return _View((*batch, *free, *summed), merged), _Aim((n + 1,), (n,))
+
+
 def _aimed(recipe: Recipe, role: str, aim: _Aim):
     """The role's format aimed at its GEMM's axes; ``None`` for a high-precision role or a GEMM
     that sums over nothing (an outer product)."""
@@ -88,6 +111,32 @@ def _aimed(recipe: Recipe, role: str, aim: _Aim):
     if fmt is None or not aim.contracted:
         return None
     return fmt.aim(aim.contracted[-1], aim.free[-1] if aim.free else None)
+
+
+def _fit(recipe: Recipe, role: str, aim: _Aim, shape):
+    """``(format, view)``: the role's aimed format and, when the format cannot block the operand's
+    own axes (a summed axis shorter than the block, spread over several axes), the GEMM's view to
+    quantize in (:func:`_gemm_view`); ``view`` is ``None`` when the operand's axes serve.
+
+    Where both serve, the blocks are the same: a block along the last summed axis is a run of the
+    merged one. Raises the format's error on the operand's own axes when neither serves.
+    """
+    fmt = _aimed(recipe, role, aim)
+    if fmt is None:
+        return None, None
+    try:
+        fmt.block_shape(tuple(shape))
+        return fmt, None
+    except ValueError as own:
+        if len(aim.contracted) < 2 and len(aim.free) < 2:
+            raise
+        view, view_aim = _gemm_view(aim, tuple(shape))
+        try:
+            fmt = _aimed(recipe, role, view_aim)
+            fmt.block_shape(view.shape)
+        except ValueError:
+            raise own from None
+        return fmt, view
 
 
 def _quantizes_alike(recipe: Recipe, roles, aims, shape) -> bool:
@@ -98,8 +147,14 @@ def _quantizes_alike(recipe: Recipe, roles, aims, shape) -> bool:
     GEMMs)."""
     if set(roles) & recipe.stochastic_rounding:
         return False
-    f, g = (_aimed(recipe, r, aims[r]) for r in roles)
-    if f is None or g is None or type(f) is not type(g) or f.block_shape(shape) != g.block_shape(shape):
+    try:
+        (f, vf), (g, vg) = (_fit(recipe, r, aims[r], shape) for r in roles)
+    except ValueError:  # a shape one role cannot take: its GEMM says so, with context (check_operands)
+        return False
+    if f is None or g is None or type(f) is not type(g) or vf != vg:
+        return False
+    view = shape if vf is None else vf.shape
+    if f.block_shape(view) != g.block_shape(view):
         return False
     return f.replace(**{n: getattr(g, n) for n in f.axis_fields}) == g
 
@@ -112,7 +167,7 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
     High-precision roles, and operands of a GEMM that sums over nothing (an outer product), are
     returned as float32 unchanged.
     """
-    fmt = _aimed(recipe, role, aim)
+    fmt, view = _fit(recipe, role, aim, x.shape)
     x32 = x.astype(_F32)
     if fmt is None:
         return x32
@@ -120,7 +175,45 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
     if role in recipe.stochastic_rounding:
         d = digest(x32) if source_digest is None else source_digest
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(recipe.seed), ROLES.index(role)), d)
-    return fmt.fake_quantize(x32, key)
+    if view is None:
+        return fmt.fake_quantize(x32, key)
+    moved = x32.transpose(view.perm)
+    q = fmt.fake_quantize(moved.reshape(view.shape), key).reshape(moved.shape)
+    return q.transpose(tuple(int(a) for a in np.argsort(view.perm)))
+
+
+_OPERAND = {"fwd_lhs": "x", "fwd_rhs": "w", "dgrad_lhs": "dy", "dgrad_rhs": "w", "wgrad_lhs": "dy", "wgrad_rhs": "x"}
+_GEMM = {
+    "fwd": "forward GEMM y = x.w",
+    "dgrad": "input-gradient GEMM dx = dy.w",
+    "wgrad": "weight-gradient GEMM dw = dy.x",
+}
+
+
+def check_operands(recipe: Recipe, op, roles, x_shape, w_shape, y_shape, scopes=()) -> None:
+    """Raise, naming the GEMM, the operand, where the contraction is and the fixes, when one of
+    ``roles``' formats cannot block its operand (the forward roles when the forward is traced, the
+    backward ones when the gradient is: a forward-only program never needs the backward's shapes)."""
+    aims = op.aims(len(x_shape), len(w_shape))
+    shapes = {"x": tuple(x_shape), "w": tuple(w_shape), "dy": tuple(y_shape)}
+    for role in roles:
+        operand = _OPERAND[role]
+        try:
+            _fit(recipe, role, aims[role], shapes[operand])
+        except ValueError as e:
+            # The format's own first sentence says which axis fails; its remedies (pad, another
+            # axis) are not a recipe user's, whose axes the library chooses.
+            reason = str(e).split(". ")[0].rstrip(".")
+            where = "/".join(scopes) or "no jax.named_scope"
+            raise ValueError(
+                f"recipe {recipe.name!r} cannot quantize {operand} ({role}, shape {shapes[operand]}) for the "
+                f"{_GEMM[role.split('_')[0]]} of the {op.primitive.name} at {where} (x {shapes['x']}, w "
+                f"{shapes['w']}): {reason}. Fixes: make the summed axis a multiple of the block (sequence length, "
+                f"batch x sequence for the weight gradient); or keep this contraction in the program's precision "
+                f"with recipe.replace(high_precision_scopes=(NAME,)), NAME one of the scopes above (wrap it in a "
+                f"jax.named_scope if it has none); or recipe.replace({role}=None) for high precision in that role "
+                "everywhere."
+            ) from e
 
 
 class Contraction(NamedTuple):
@@ -141,21 +234,23 @@ class Contraction(NamedTuple):
         return self(a, b, precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST), preferred_element_type=_F32)
 
 
-def _forward(recipe, op, out_dtype, x, w):
+def _forward(recipe, op, out_dtype, scopes, x, w):
+    check_operands(recipe, op, ROLES[:2], x.shape, w.shape, (), scopes)
     aims = op.aims(x.ndim, w.ndim)
     xq = quantize_operand(recipe, "fwd_lhs", x, aims["fwd_lhs"])
     wq = quantize_operand(recipe, "fwd_rhs", w, aims["fwd_rhs"])
     return op.emulated(xq, wq).astype(out_dtype), wq
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def recipe_contraction(recipe: Recipe, op: Contraction, out_dtype, x, w):
-    """``op(x, w)`` with every GEMM of its value and its gradients under ``recipe``."""
-    return _forward(recipe, op, out_dtype, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def recipe_contraction(recipe: Recipe, op: Contraction, out_dtype, scopes: tuple, x, w):
+    """``op(x, w)`` with every GEMM of its value and its gradients under ``recipe`` (``scopes``: the
+    contraction's ``jax.named_scope`` names, for error messages)."""
+    return _forward(recipe, op, out_dtype, scopes, x, w)[0]
 
 
-def _fwd(recipe, op, out_dtype, x, w):
-    y, wq = _forward(recipe, op, out_dtype, x, w)
+def _fwd(recipe, op, out_dtype, scopes, x, w):
+    y, wq = _forward(recipe, op, out_dtype, scopes, x, w)
     # The forward's quantized weight is kept for the input gradient when that GEMM would
     # quantize the weight to the same values (a weight-sized residual instead of a second quantize).
     alike = _quantizes_alike(recipe, ("fwd_rhs", "dgrad_rhs"), op.aims(x.ndim, w.ndim), w.shape)
@@ -168,9 +263,10 @@ def _like(x):
     return jax.ShapeDtypeStruct(x.shape, _F32, sharding=jax.typeof(x).sharding)
 
 
-def _bwd(recipe, op, out_dtype, res, g):
+def _bwd(recipe, op, out_dtype, scopes, res, g):
     del out_dtype
     x, w, wq_fwd = res
+    check_operands(recipe, op, ROLES[2:], x.shape, w.shape, g.shape, scopes)
     aims = op.aims(x.ndim, w.ndim)
     g32 = g.astype(_F32)
     # Both gradient GEMMs' keys hash dy once (the weight gradient's operand is a function of it).

@@ -219,6 +219,80 @@ def test_recipe_errors_name_the_problem():
         )
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "float8_rowwise"])
+def test_outer_product_and_its_gradients_keep_the_program(name):
+    """Rotary embeddings' ``einsum("bi,j->bij", positions, frequencies)`` sums over nothing: no linear
+    layer's GEMM. Its gradients (sums over 16 frequencies, over 32 positions) would not fit MX blocks
+    or NVFP4's tiles; the whole contraction keeps the program's precision instead of failing."""
+
+    def f(pos, freq):
+        return jnp.sum(jnp.sin(jnp.einsum("bi,j->bij", pos, freq)) ** 2)
+
+    pos, freq = jnp.arange(32.0)[None] / 7.0, jnp.linspace(0.1, 1.0, 16)
+    want = jax.value_and_grad(f, argnums=(0, 1))(pos, freq)
+    got = jax.value_and_grad(recipes.apply(f, recipes.BUILTINS[name]), argnums=(0, 1))(pos, freq)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "float8_rowwise"])
+def test_summed_axes_merge_into_the_2d_view(name):
+    """x of shape (2, 16, 64): the weight gradient sums over 2 x 16 tokens, which no single axis
+    holds as a multiple of 32. Its operands are quantized in torchao's 2-D view (32 tokens x 64),
+    so the gradients equal those of the same layer on x reshaped to (32, 64), bit for bit."""
+    x, w, dy = _data((2, 16, 64), 8), _data((64, 64), 9), _data((2, 16, 64), 10)
+    recipe = recipes.BUILTINS[name].replace(stochastic_rounding=())
+
+    def layer(x, w):
+        return jnp.sum(recipes.apply(lambda x, w: x @ w, recipe)(x, w) * dy.reshape((*x.shape[:-1], 64)))
+
+    got = jax.grad(layer, argnums=(0, 1))(x, w)
+    want = jax.grad(layer, argnums=(0, 1))(x.reshape(32, 64), w)
+    np.testing.assert_array_equal(got[0].reshape(32, 64), want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_summed_axes_merge_in_either_order():
+    """``einsum("btnh,nhd->btd")`` (attention's output projection, 2 heads of 32) sums over heads and
+    head dimension; the forward quantizes x in its (2 x 32)-wide 2-D view, whatever order the
+    contraction lists the axes in (here (h, n)), so it equals the projection of x reshaped to
+    (..., 64) up to the order of the 64-term float32 sums."""
+    x, w = _data((2, 32, 2, 32), 11), _data((2, 32, 64), 12)
+    got = recipes.apply(lambda x, w: jnp.einsum("btnh,nhd->btd", x, w), recipes.MXFP8)(x, w)
+    want = recipes.apply(lambda x, w: x @ w, recipes.MXFP8)(x.reshape(2, 32, 64), w.reshape(64, 64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+def test_tiles_without_a_free_axis_error_names_the_role():
+    """A matrix-vector product: NVFP4's 16x16 weight tiles need a free axis that ``w`` lacks."""
+    with pytest.raises(ValueError, match=r"recipe 'nvfp4' cannot quantize w \(fwd_rhs, shape \(64,\)\)"):
+        recipes.apply(lambda x, w: x @ w, recipes.NVFP4)(jnp.ones((32, 64)), jnp.ones(64))
+
+
+def test_short_summed_axis_error_names_the_gemm_the_scope_and_the_fixes():
+    """8 tokens: the forward (K = 64) fits MXFP8's blocks, the weight gradient (summed over the 8
+    tokens) does not. The forward alone runs; the gradient's error names the role, the operand's
+    shape and the scope, and the scope it names is a fix that works."""
+
+    def loss(w, x):
+        with jax.named_scope("attention"):
+            with jax.named_scope("query"):
+                y = x @ w
+        return jnp.sum(y * y)
+
+    x, w = jnp.ones((8, 64), jnp.float32), jnp.full((64, 32), 0.5, jnp.float32)
+    expected = r"cannot quantize dy \(wgrad_lhs, shape \(8, 32\)\).*weight-gradient GEMM"
+    assert np.isfinite(recipes.apply(loss, recipes.MXFP8)(w, x))
+    with pytest.raises(ValueError, match=expected) as e:
+        jax.grad(recipes.apply(loss, recipes.MXFP8))(w, x)
+    assert "at attention/query " in str(e.value) and "high_precision_scopes" in str(e.value)
+    assert "fmt.replace(axis" not in str(e.value)  # the format's own remedy is not the recipe user's
+    fixed = recipes.MXFP8.replace(high_precision_scopes=("query",))
+    np.testing.assert_array_equal(jax.grad(recipes.apply(loss, fixed))(w, x), jax.grad(loss)(w, x))
+    no_wgrad = recipes.MXFP8.replace(wgrad_lhs=None, wgrad_rhs=None)
+    assert np.isfinite(jax.grad(recipes.apply(loss, no_wgrad))(w, x)).all()
+
+
 # -------------------------------------------------------------------------------------------------
 # NVFP4's parts: tiles, stochastic rounding, Hadamard, against numpy references
 # -------------------------------------------------------------------------------------------------

@@ -1,0 +1,311 @@
+"""Run KerasHub's model code, unchanged, under ``scalify`` with the weights in each format.
+
+    python scripts/run_keras_hub_models.py                    # pip download the keras-hub wheel (KERAS_HUB_VERSION)
+    python scripts/run_keras_hub_models.py --source DIR       # an unpacked keras-hub wheel or a git clone
+    python scripts/run_keras_hub_models.py --only gemma,mixtral --formats all --markdown
+    python scripts/run_keras_hub_models.py --recipes all      # scalify.recipes.apply instead of scalify
+
+The models are KerasHub's own task models (``GemmaCausalLM``, ``Llama3CausalLM``, ``MixtralCausalLM``,
+``BertClassifier``, ``ResNetImageClassifier``, ...): Google's Keras team's implementations of the
+architectures people fine-tune and serve, with their own layers, initialisers, masks, rotary
+embeddings, soft-capping, mixture-of-experts routers and BatchNorm. Each is built at a tiny
+configuration (2 layers, width 64) through its public constructor and called as any JAX user of
+Keras calls it, ``model.stateless_call(trainable, non_trainable, inputs)``; nothing of KerasHub is
+copied into this repository or changed.
+
+KerasHub's wheel is fetched with ``pip download --no-deps`` into a temporary directory and put on
+``sys.path``: its declared dependency on ``tensorflow-text`` (through it, TensorFlow) is for its
+tokenizers' data pipelines, which no model call touches, and ``keras_hub`` imports without it
+(``tokenizers``, which it imports eagerly, is in the test extra).
+
+The check per (model, format) is the third-party harness's (``tests/thirdparty/thirdparty_harness.py``):
+weights whose shape the format accepts become ScaledArrays; the reference is the same program in
+float32 on the dequantized weights; the loss, its gradient and one Adam update (moments and
+parameters) must agree leaf by leaf within the harness's tolerance, which is below a quarter of the
+format's unit roundoff, so an intermediate silently rounded to the format would fail. ``n/a``: no
+weight of the model has a shape the format accepts.
+
+With ``--recipes`` the float32 weights stay as they are and the loss runs as
+``recipes.apply(loss, recipe)`` under ``jax.value_and_grad`` on 32 tokens (``check_recipe``): the
+all-high-precision recipe (``high``) must reproduce float32's loss and gradient, and each built-in
+recipe must give a finite loss and a gradient pointing the way float32's does (cosine floor per
+element width, ``RECIPE_COSINE_FLOOR``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "thirdparty"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from run_flax_examples import failure, parse_cli, summary  # noqa: E402
+from thirdparty_harness import Case, assert_tree_close, n_scaled, run_loss, run_step  # noqa: E402
+
+# The version the figures in docs/examples.md were measured with (KerasHub changes its models' code).
+KERAS_HUB_VERSION = "0.32.0"
+VOCAB, SEQ, BATCH, CLASSES = 64, 8, 2, 10
+MAX_SEQ = 64  # position tables of GPT-2 and BERT
+TINY_LM = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=64, intermediate_dim=128)
+
+
+def fetch_keras_hub(work: Path, version: str = KERAS_HUB_VERSION) -> Path:
+    """``pip download --no-deps keras-hub==version`` into ``work``, unpack the wheel; the directory to import from."""
+    dl, dest = work / "wheel", work / "site"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dl)]
+    proc = subprocess.run([*cmd, f"keras-hub=={version}"], capture_output=True, text=True, check=False)
+    wheels = sorted(dl.glob("keras_hub-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise SystemExit(
+            f"could not download keras-hub=={version}:\n{proc.stderr.strip()}\n"
+            "Unpack a keras-hub wheel (or clone https://github.com/keras-team/keras-hub) and pass --source DIR."
+        )
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extractall(dest)
+    return dest
+
+
+def import_keras_hub(root: Path):
+    """``keras_hub`` imported from ``root`` (a keras version it does not support fails here, by name)."""
+    sys.path.insert(0, str(root))
+    import keras_hub
+
+    return keras_hub
+
+
+def _variables(model):
+    return [v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables]
+
+
+def _classification_loss(model, inputs, labels) -> Case:
+    trainable, non_trainable = _variables(model)
+
+    def loss(trainable, batch):
+        inputs, labels = batch
+        logits, _ = model.stateless_call(trainable, non_trainable, inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+    return trainable, loss, (inputs, labels)
+
+
+def _rng(seed=5):
+    return np.random.default_rng(seed)
+
+
+def causal_lm(hub, name: str, backbone: str, task: str, seq: int = SEQ, **config) -> Case:
+    """Next-token cross-entropy of ``task(backbone(**config), preprocessor=None)`` on random tokens."""
+    import keras
+
+    keras.utils.set_random_seed(5)
+    model = getattr(hub.models, task)(backbone=getattr(hub.models, backbone)(**config), preprocessor=None)
+    tokens = jnp.asarray(_rng().integers(0, VOCAB, (BATCH, seq + 1)), jnp.int32)
+    inputs = {"token_ids": tokens[:, :-1], "padding_mask": jnp.ones((BATCH, seq), jnp.int32)}
+    trainable, loss, batch = _classification_loss(model, inputs, tokens[:, 1:])
+    return Case(name, loss, trainable, batch)
+
+
+def text_classifier(hub, name: str, backbone: str, task: str, seq: int = SEQ, **config) -> Case:
+    """Cross-entropy of a sequence classifier (token, segment ids and a padding mask with padding)."""
+    import keras
+
+    keras.utils.set_random_seed(5)
+    model = getattr(hub.models, task)(
+        backbone=getattr(hub.models, backbone)(**config), num_classes=CLASSES, preprocessor=None
+    )
+    padding = np.ones((BATCH, seq), np.int32)
+    padding[1, seq - 3 :] = 0  # the second sequence is padded: the attention mask is exercised
+    inputs = {
+        "token_ids": jnp.asarray(_rng().integers(0, VOCAB, (BATCH, seq)), jnp.int32),
+        "segment_ids": jnp.zeros((BATCH, seq), jnp.int32),
+        "padding_mask": jnp.asarray(padding),
+    }
+    labels = jnp.asarray(_rng(6).integers(0, CLASSES, BATCH), jnp.int32)
+    trainable, loss, batch = _classification_loss(model, inputs, labels)
+    return Case(name, loss, trainable, batch)
+
+
+def image_classifier(hub, name: str, backbone: str, task: str, seq: int = SEQ, **config) -> Case:
+    """Cross-entropy of an image classifier on random 32x32 RGB images (BatchNorm in inference mode;
+    ``seq`` is unused)."""
+    del seq
+    import keras
+
+    keras.utils.set_random_seed(5)
+    model = getattr(hub.models, task)(
+        backbone=getattr(hub.models, backbone)(**config), num_classes=CLASSES, preprocessor=None
+    )
+    images = jnp.asarray(_rng().standard_normal((BATCH, 32, 32, 3)), jnp.float32)
+    labels = jnp.asarray(_rng(6).integers(0, CLASSES, BATCH), jnp.int32)
+    trainable, loss, batch = _classification_loss(model, images, labels)
+    return Case(name, loss, trainable, batch)
+
+
+# name -> (builder, backbone, task, config). Heads of 32 and widths that are multiples of 32, so the
+# MX and NVFP4 layouts accept the projections (the harness leaves other shapes in float32).
+MODELS = {
+    "gemma": (causal_lm, "GemmaBackbone", "GemmaCausalLM",
+              dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32)),
+    "gemma3": (causal_lm, "Gemma3Backbone", "Gemma3CausalLM",
+               dict(TINY_LM, image_size=32, num_query_heads=2, num_key_value_heads=1, head_dim=32,
+                    use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
+                    final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=4)),
+    "llama3": (causal_lm, "Llama3Backbone", "Llama3CausalLM",
+               dict(TINY_LM, num_query_heads=2, num_key_value_heads=1)),
+    "mistral": (causal_lm, "MistralBackbone", "MistralCausalLM",
+                dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, sliding_window=4)),
+    "qwen3": (causal_lm, "Qwen3Backbone", "Qwen3CausalLM",
+              dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32)),
+    "phi3": (causal_lm, "Phi3Backbone", "Phi3CausalLM",
+             dict(TINY_LM, num_query_heads=2, num_key_value_heads=1)),
+    "gpt2": (causal_lm, "GPT2Backbone", "GPT2CausalLM",
+             dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ)),
+    "mixtral": (causal_lm, "MixtralBackbone", "MixtralCausalLM",
+                dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, num_experts=4, top_k=2)),
+    "qwen3_moe": (causal_lm, "Qwen3MoeBackbone", "Qwen3MoeCausalLM",
+                  dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32, moe_intermediate_dim=64,
+                       num_experts=4, top_k=2)),
+    "gpt_oss": (causal_lm, "GptOssBackbone", "GptOssCausalLM",
+                dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, top_k=2,
+                     sliding_window=4)),
+    "bert": (text_classifier, "BertBackbone", "BertClassifier",
+             dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ)),
+    "vit": (image_classifier, "ViTBackbone", "ViTImageClassifier",
+            dict(image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128)),
+    "resnet": (image_classifier, "ResNetBackbone", "ResNetImageClassifier",
+               dict(input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 64],
+                    stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+                    image_shape=(32, 32, 3))),
+}  # fmt: skip
+
+
+def build(hub, name: str, seq: int = SEQ) -> Case:
+    """The model ``name`` of :data:`MODELS` with a batch of ``seq`` tokens (images: 32x32)."""
+    builder, backbone, task, config = MODELS[name]
+    return builder(hub, name, backbone, task, seq=seq, **config)
+
+
+def check(case: Case, fmt) -> tuple[str, str]:
+    """``(outcome, detail)`` of the loss, gradient and Adam update of ``case`` under ``fmt``."""
+    from thirdparty_harness import quantize_tree
+
+    if n_scaled(quantize_tree(case.params, fmt)) == 0:
+        return "n/a", f"no weight has a shape {fmt.name} accepts"
+    try:
+        run_loss(case, fmt.name)
+        fmt, got, expected = run_step(case, fmt.name)
+        for i, what in enumerate(("value", "gradient", "Adam-updated weights", "Adam state")):
+            assert_tree_close(got[i], expected[i], fmt, f"{case.name} {what}")
+    except Exception as exc:  # reported per (model, format); the run goes on
+        return failure(exc)
+    return "ok", f"{n_scaled(case.quantized(fmt.name)[1])} of {len(case.params)} weights scaled"
+
+
+# --recipes: a block recipe blocks attention's products and the weight gradients along the
+# sequence, so these runs use 32 tokens (a multiple of MX's block of 32 and of NVFP4's tiles of 16).
+RECIPE_SEQ = 32
+# Cosine between the recipe's gradient (all weights, flattened) and float32's. A loose detector of a
+# GEMM computed wrongly, not a precision claim: 8-bit elements round each operand to ~2**-4
+# relative, 4-bit ones to ~2**-2, and a mixture of experts routes some tokens to other experts once
+# its router logits move (measured: 0.965 to 0.997 for 8-bit recipes, 0.89 for NVFP4 on Gemma; see
+# docs/examples.md).
+RECIPE_COSINE_FLOOR = {8: 0.95, 4: 0.8}
+
+
+def _flat(tree):
+    import jax
+
+    return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)])
+
+
+def check_recipe(case: Case, recipe) -> tuple[str, str]:
+    """``(outcome, detail)`` of ``recipes.apply(loss, recipe)`` under ``jax.value_and_grad``.
+
+    The all-high-precision recipe must reproduce float32's loss and gradient (the walk preserves
+    the program); a built-in one must give finite values and a gradient whose cosine with float32's
+    is above :data:`RECIPE_COSINE_FLOOR` for its narrowest element.
+    """
+    import jax
+
+    from scalify import recipes
+
+    try:
+        ref_value, ref_grad = jax.jit(jax.value_and_grad(case.loss))(case.params, case.batch)
+        value, grad = jax.jit(jax.value_and_grad(recipes.apply(case.loss, recipe)))(case.params, case.batch)
+        g, r = _flat(grad), _flat(ref_grad)
+        if not (np.isfinite(g).all() and np.isfinite(float(value))):
+            return "FAIL", f"non-finite loss or gradient under {recipe.name}"
+        cosine = float(g @ r / (np.linalg.norm(g) * np.linalg.norm(r)))
+        detail = f"loss {float(value):.4f} (float32 {float(ref_value):.4f}), gradient cosine {cosine:.4f}"
+        formats = [recipe.format_of(role) for role in recipes.ROLES]
+        if all(f is None for f in formats):
+            np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.max(np.abs(r)))
+            return "ok", detail
+        bits = min(f.element.bits for f in formats if f is not None)
+        floor = RECIPE_COSINE_FLOOR[4 if bits <= 4 else 8]
+        return ("ok" if cosine > floor else "FAIL"), detail + f" (floor {floor})"
+    except Exception as exc:  # reported per (model, recipe); the run goes on
+        return failure(exc)
+
+
+def _recipes_arg(argv):
+    """``(recipe names or None, the other arguments)``: ``--recipes all|a,b`` switches to recipe runs."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--recipes" not in argv:
+        return None, argv
+    i = argv.index("--recipes")
+    if i + 1 >= len(argv):
+        raise SystemExit("--recipes needs a value: 'all' or comma-separated built-in recipe names")
+    value = argv[i + 1]
+    del argv[i : i + 2]
+    from scalify import recipes
+
+    names = ["high", *sorted(recipes.BUILTINS)] if value == "all" else value.split(",")
+    unknown = [n for n in names if n != "high" and n not in recipes.BUILTINS]
+    if unknown:
+        raise SystemExit(f"unknown recipe(s) {unknown}; choose from {sorted(recipes.BUILTINS)}, 'high' or 'all'")
+    return names, argv
+
+
+def recipe(name):
+    """A built-in recipe by name, or ``"high"``: every role in high precision."""
+    from scalify import recipes
+
+    return recipes.Recipe.uniform("high", None) if name == "high" else recipes.BUILTINS[name]
+
+
+def main(argv=None) -> int:
+    recipe_names, argv = _recipes_arg(argv)
+    args, names, formats = parse_cli(__doc__, MODELS, "keras-hub", argv)
+    with tempfile.TemporaryDirectory(prefix="keras_hub_") as tmp:
+        root = args.source.resolve() if args.source else fetch_keras_hub(Path(tmp))
+        hub = import_keras_hub(root)
+        print(f"keras-hub {hub.__version__} from {root.name}")
+        rows = []
+        for name in names:
+            case = build(hub, name, seq=RECIPE_SEQ if recipe_names else SEQ)
+            for column in recipe_names or formats:
+                if recipe_names:
+                    label, (outcome, detail) = column, check_recipe(case, recipe(column))
+                else:
+                    label, (outcome, detail) = column.name, check(case, column)
+                rows.append((name, label, outcome, detail))
+                print(f"{name:12s} {label:18s} {outcome:5s} {detail}", flush=True)
+    columns = [types.SimpleNamespace(name=r) for r in recipe_names] if recipe_names else formats
+    return summary(rows, names, columns, args.markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""KerasHub's model code, unchanged, under scalify (scripts/run_keras_hub_models.py).
+
+KerasHub's task models (Gemma, Gemma 3, Llama 3, Mistral, Qwen 3, Phi-3, GPT-2, the Mixtral,
+Qwen3-MoE and gpt-oss mixtures of experts, BERT, ViT, ResNet) at tiny configurations, called through
+``stateless_call``: loss, gradient and an Adam update in a scaled format against the same program in
+float32 on the dequantized weights (the third-party harness's check and tolerance).
+
+The script downloads the keras-hub wheel (``pip download --no-deps``: its tensorflow-text dependency
+serves tokenizers no model call touches), so this needs PyPI, as the install CI runs first does.
+
+Every model runs in one format, and the formats rotate so that each family meets several
+architectures: the fast lane runs Gemma in MXFP8, the slow lane the rest, and three models under
+``scalify.recipes.apply`` (the script's ``--recipes``). ``docs/examples.md`` has the full tables
+from the script.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("keras", minversion="3.15", reason="keras 3.15+ is not installed (pip install -e '.[test]')")
+pytest.importorskip("tokenizers", reason="tokenizers (keras_hub needs it) is not installed (pip install -e '.[test]')")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import run_keras_hub_models as runner
+
+ROTATION = {
+    "gemma": "mxfp8",
+    "gemma3": "nvfp4",
+    "llama3": "int8_per_channel",
+    "mistral": "fp8_e4m3",
+    "qwen3": "mxfp4",
+    "phi3": "fp16",
+    "gpt2": "mxfp6_e2m3",
+    "mixtral": "int8_per_channel",
+    "qwen3_moe": "nvfp4",
+    "gpt_oss": "mxfp4",
+    "bert": "mxint8",
+    "vit": "mxfp8",
+    "resnet": "int8_per_channel",
+}
+FAST = ("gemma",)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    try:
+        root = runner.fetch_keras_hub(tmp_path_factory.mktemp("keras_hub"))
+    except SystemExit as exc:  # no route to PyPI: nothing to run the models from
+        pytest.skip(f"the keras-hub wheel could not be downloaded: {str(exc)[-500:]}")
+    return runner.import_keras_hub(root)
+
+
+def test_rotation_covers_every_model_and_family():
+    from thirdparty_harness import FAMILY_REPRESENTATIVES
+
+    assert set(ROTATION) == set(runner.MODELS)
+    assert set(FAMILY_REPRESENTATIVES) <= set(ROTATION.values())
+
+
+@pytest.mark.parametrize(
+    ("model", "fmt_name"),
+    [pytest.param(m, f, marks=() if m in FAST else pytest.mark.slow, id=f"{m}-{f}") for m, f in ROTATION.items()],
+)
+def test_keras_hub_model_trains_unchanged(hub, model, fmt_name):
+    import qformats as qf
+
+    outcome, detail = runner.check(runner.build(hub, model), qf.get_format(fmt_name))
+    assert outcome == "ok", f"{model} in {fmt_name}: {outcome} {detail}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "recipe"), [("gemma", "mxfp8"), ("mixtral", "float8_rowwise"), ("llama3", "high")])
+def test_keras_hub_model_under_a_recipe(hub, model, recipe):
+    """``recipes.apply`` on the unchanged loss at 32 tokens: Gemma's rotary outer products and
+    grouped-query scores in MXFP8, Mixtral's router and experts in row-wise float8; ``high``
+    reproduces float32."""
+    outcome, detail = runner.check_recipe(runner.build(hub, model, seq=runner.RECIPE_SEQ), runner.recipe(recipe))
+    assert outcome == "ok", f"{model} under {recipe}: {outcome} {detail}"
