@@ -118,8 +118,8 @@ def _fit(recipe: Recipe, role: str, aim: _Aim, shape):
     own axes (a summed axis shorter than the block, spread over several axes), the GEMM's view to
     quantize in (:func:`_gemm_view`); ``view`` is ``None`` when the operand's axes serve.
 
-    Where both serve, the blocks are the same: a block along the last summed axis is a run of the
-    merged one. Raises the format's error on the operand's own axes when neither serves.
+    The view is taken only where the operand's own axes fail, so every shape the recipes took before
+    quantizes as it did. Raises the format's error on the operand's own axes when neither serves.
     """
     fmt = _aimed(recipe, role, aim)
     if fmt is None:
