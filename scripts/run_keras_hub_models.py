@@ -52,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from run_flax_examples import failure, parse_cli, summary  # noqa: E402
-from thirdparty_harness import Case, assert_tree_close, n_scaled, run_loss, run_step  # noqa: E402
+from thirdparty_harness import Case, assert_tree_close, n_scaled, quantize_tree, run_loss, run_step  # noqa: E402
 
 # The version the figures in docs/examples.md were measured with (KerasHub changes its models' code).
 KERAS_HUB_VERSION = "0.32.0"
@@ -85,19 +85,22 @@ def import_keras_hub(root: Path):
     return keras_hub
 
 
-def _variables(model):
-    return [v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables]
+def _case(hub, name, backbone, task, config, inputs, labels, **task_args) -> Case:
+    """Cross-entropy of ``task(backbone(**config), preprocessor=None, **task_args)`` on one batch,
+    a pure function of the trainable weights through ``stateless_call``."""
+    import keras
 
-
-def _classification_loss(model, inputs, labels) -> Case:
-    trainable, non_trainable = _variables(model)
+    keras.utils.set_random_seed(5)
+    model = getattr(hub.models, task)(backbone=getattr(hub.models, backbone)(**config), preprocessor=None, **task_args)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
 
     def loss(trainable, batch):
         inputs, labels = batch
         logits, _ = model.stateless_call(trainable, non_trainable, inputs)
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
-    return trainable, loss, (inputs, labels)
+    return Case(name, loss, trainable, (inputs, labels))
 
 
 def _rng(seed=5):
@@ -105,25 +108,14 @@ def _rng(seed=5):
 
 
 def causal_lm(hub, name: str, backbone: str, task: str, seq: int = SEQ, **config) -> Case:
-    """Next-token cross-entropy of ``task(backbone(**config), preprocessor=None)`` on random tokens."""
-    import keras
-
-    keras.utils.set_random_seed(5)
-    model = getattr(hub.models, task)(backbone=getattr(hub.models, backbone)(**config), preprocessor=None)
+    """Next-token cross-entropy of a causal LM on random tokens."""
     tokens = jnp.asarray(_rng().integers(0, VOCAB, (BATCH, seq + 1)), jnp.int32)
     inputs = {"token_ids": tokens[:, :-1], "padding_mask": jnp.ones((BATCH, seq), jnp.int32)}
-    trainable, loss, batch = _classification_loss(model, inputs, tokens[:, 1:])
-    return Case(name, loss, trainable, batch)
+    return _case(hub, name, backbone, task, config, inputs, tokens[:, 1:])
 
 
 def text_classifier(hub, name: str, backbone: str, task: str, seq: int = SEQ, **config) -> Case:
     """Cross-entropy of a sequence classifier (token, segment ids and a padding mask with padding)."""
-    import keras
-
-    keras.utils.set_random_seed(5)
-    model = getattr(hub.models, task)(
-        backbone=getattr(hub.models, backbone)(**config), num_classes=CLASSES, preprocessor=None
-    )
     padding = np.ones((BATCH, seq), np.int32)
     padding[1, seq - 3 :] = 0  # the second sequence is padded: the attention mask is exercised
     inputs = {
@@ -132,24 +124,16 @@ def text_classifier(hub, name: str, backbone: str, task: str, seq: int = SEQ, **
         "padding_mask": jnp.asarray(padding),
     }
     labels = jnp.asarray(_rng(6).integers(0, CLASSES, BATCH), jnp.int32)
-    trainable, loss, batch = _classification_loss(model, inputs, labels)
-    return Case(name, loss, trainable, batch)
+    return _case(hub, name, backbone, task, config, inputs, labels, num_classes=CLASSES)
 
 
 def image_classifier(hub, name: str, backbone: str, task: str, seq: int = SEQ, **config) -> Case:
     """Cross-entropy of an image classifier on random 32x32 RGB images (BatchNorm in inference mode;
     ``seq`` is unused)."""
     del seq
-    import keras
-
-    keras.utils.set_random_seed(5)
-    model = getattr(hub.models, task)(
-        backbone=getattr(hub.models, backbone)(**config), num_classes=CLASSES, preprocessor=None
-    )
     images = jnp.asarray(_rng().standard_normal((BATCH, 32, 32, 3)), jnp.float32)
     labels = jnp.asarray(_rng(6).integers(0, CLASSES, BATCH), jnp.int32)
-    trainable, loss, batch = _classification_loss(model, images, labels)
-    return Case(name, loss, trainable, batch)
+    return _case(hub, name, backbone, task, config, images, labels, num_classes=CLASSES)
 
 
 # name -> (builder, backbone, task, config). Heads of 32 and widths that are multiples of 32, so the
@@ -198,8 +182,6 @@ def build(hub, name: str, seq: int = SEQ) -> Case:
 
 def check(case: Case, fmt) -> tuple[str, str]:
     """``(outcome, detail)`` of the loss, gradient and Adam update of ``case`` under ``fmt``."""
-    from thirdparty_harness import quantize_tree
-
     if n_scaled(quantize_tree(case.params, fmt)) == 0:
         return "n/a", f"no weight has a shape {fmt.name} accepts"
     try:
