@@ -156,6 +156,16 @@ def _square(eqn, x):
     return _power(eqn, x, 2, lambda s: lax.mul(s, s))
 
 
+@register_rule(
+    _prims("complex_p", "fft_p", "imag_p", "conj_p"),
+    "nonlinear",
+    "complex values (lax.complex, FFTs, imag, conj): computed from the float32 operands, plain complex64 "
+    "output (complex dtypes have no narrow form to carry); real/abs of it are plain.",
+)
+def _complex(eqn, *xs):
+    return _f32_eval(eqn, *xs)
+
+
 _GENERIC = _prims(
     "exp_p",
     "exp2_p",

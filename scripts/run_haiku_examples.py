@@ -3,6 +3,7 @@
     python scripts/run_haiku_examples.py                      # pip download dm-haiku's sdist (installed version)
     python scripts/run_haiku_examples.py --source DIR         # an unpacked dm-haiku sdist or a git clone
     python scripts/run_haiku_examples.py --only rnn --formats all --markdown
+    python scripts/run_haiku_examples.py --only imagenet --resnet-blocks 1,1,1,1  # a 4-block ResNet (default 3,4,6,3)
 
 The programs are the ``update`` functions of Haiku's ``examples/`` (``transformer``: a decoder-only
 Transformer LM with dropout, gradient clipping and Adam; ``rnn``: a character LM of two ``hk.LSTM``
@@ -26,6 +27,7 @@ third-party harness's tolerance.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import sys
@@ -127,9 +129,10 @@ def _tree_stand_in():
     sys.modules["tree"] = module
 
 
-def imagenet(root, policy="p=f32,c=f32,o=f32"):
+def imagenet(root, policy="p=f32,c=f32,o=f32", blocks=(3, 4, 6, 3)):
     """ResNet-50 v2 with BatchNorm state, jmp's dynamic loss scale (skip non-finite steps), SGD with
-    Nesterov momentum and a cosine schedule, under ``pmap`` with ``lax.pmean``."""
+    Nesterov momentum and a cosine schedule, under ``pmap`` with ``lax.pmean``; ``blocks``: bottleneck
+    blocks per group (ResNet-50's by default)."""
     _tree_stand_in()
     train = _load(root, "imagenet")
     # ResNet-50's 25M parameters take minutes to compile here (2m41s scalified): the same
@@ -139,7 +142,7 @@ def imagenet(root, policy="p=f32,c=f32,o=f32"):
     train.hk.nets = types.SimpleNamespace(
         ResNet50=lambda num_classes, **kw: hk.nets.ResNet(
             num_classes=num_classes,
-            blocks_per_group=(3, 4, 6, 3),
+            blocks_per_group=tuple(blocks),
             channels_per_group=(64, 64, 64, 64),
             use_projection=(True,) * 4,
             bottleneck=True,
@@ -183,8 +186,27 @@ def check(state, run, update, init_opt, fmt) -> tuple[str, str]:
     return "ok", f"{n_scaled(qparams)} parameters scaled"
 
 
+def _blocks_arg(argv):
+    """``(ResNet blocks per group or None, the other arguments)``: ``--resnet-blocks a,b,c,d``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--resnet-blocks" not in argv:
+        return None, argv
+    i = argv.index("--resnet-blocks")
+    value = argv[i + 1 : i + 2]
+    del argv[i : i + 2]
+    try:
+        blocks = tuple(int(b) for b in value[0].split(","))
+    except (IndexError, ValueError):
+        blocks = ()
+    if len(blocks) != 4 or min(blocks) < 1:
+        raise SystemExit("--resnet-blocks needs four positive counts, e.g. 1,1,1,1 (ResNet-50: 3,4,6,3)")
+    return blocks, argv
+
+
 def main(argv=None) -> int:
-    args, names, formats = parse_cli(__doc__, EXAMPLES, "dm-haiku", argv)
+    blocks, argv = _blocks_arg(argv)
+    examples = EXAMPLES if blocks is None else {**EXAMPLES, "imagenet": functools.partial(imagenet, blocks=blocks)}
+    args, names, formats = parse_cli(__doc__, examples, "dm-haiku", argv)
     stand_ins = install_stand_ins(STAND_INS)
     version = importlib.metadata.version("dm-haiku")
     with tempfile.TemporaryDirectory(prefix="haiku_examples_") as tmp:
@@ -198,7 +220,7 @@ def main(argv=None) -> int:
         print(f"dm-haiku {version} examples from {root.name}; stand-ins for {stand_ins or 'none'}")
         rows = []
         for name in names:
-            built = EXAMPLES[name](root)
+            built = examples[name](root)
             for fmt in formats:
                 outcome, detail = check(*built, fmt)
                 rows.append((name, fmt.name, outcome, detail))

@@ -4,11 +4,13 @@
     python scripts/run_keras_hub_models.py --source DIR       # an unpacked keras-hub wheel or a git clone
     python scripts/run_keras_hub_models.py --only gemma,mixtral --formats all --markdown
     python scripts/run_keras_hub_models.py --recipes all      # scalify.recipes.apply instead of scalify
+    python scripts/run_keras_hub_models.py --recipes mxfp8 --only gpt_oss --high-precision-scopes router
 
 The models are KerasHub's own task models (``GemmaCausalLM``, ``Llama3CausalLM``, ``MixtralCausalLM``,
 ``BertClassifier``, ``ResNetImageClassifier``, ...): Google's Keras team's implementations of the
 architectures people fine-tune and serve, with their own layers, initialisers, masks, rotary
-embeddings, soft-capping, mixture-of-experts routers and BatchNorm. Each is built at a tiny
+embeddings, ALiBi, soft-capping, mixture-of-experts routers, recurrences (RWKV-7, Qwen 3.5's gated
+delta rule), Fourier mixing (F-Net), relative-position attention (DeBERTa-v3) and BatchNorm. Each is built at a tiny
 configuration (2 layers, width 64) through its public constructor and called as any JAX user of
 Keras calls it, ``model.stateless_call(trainable, non_trainable, inputs)``; nothing of KerasHub is
 copied into this repository or changed.
@@ -92,6 +94,8 @@ def _case(hub, name, backbone, task, config, inputs, labels, **task_args) -> Cas
 
     keras.utils.set_random_seed(5)
     model = getattr(hub.models, task)(backbone=getattr(hub.models, backbone)(**config), preprocessor=None, **task_args)
+    if isinstance(inputs, dict):  # the inputs the backbone declares (F-Net has no padding mask, DeBERTa no segments)
+        inputs = {k: v for k, v in inputs.items() if k in model.backbone.input}
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
 
@@ -163,14 +167,28 @@ MODELS = {
     "gpt_oss": (causal_lm, "GptOssBackbone", "GptOssCausalLM",
                 dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, top_k=2,
                      sliding_window=4)),
+    "bloom": (causal_lm, "BloomBackbone", "BloomCausalLM", dict(TINY_LM, num_heads=2)),
+    "falcon": (causal_lm, "FalconBackbone", "FalconCausalLM", dict(TINY_LM, num_attention_heads=2)),
+    "rwkv7": (causal_lm, "RWKV7Backbone", "RWKV7CausalLM",
+              dict(vocabulary_size=VOCAB, num_layers=2, hidden_size=64, head_size=32, intermediate_dim=128,
+                   gate_lora=32, mv_lora=32, aaa_lora=32, decay_lora=32)),
+    "qwen3_5": (causal_lm, "Qwen3_5Backbone", "Qwen3_5CausalLM",
+                dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32,
+                     layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                     linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)),
     "bert": (text_classifier, "BertBackbone", "BertClassifier",
              dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ)),
+    "deberta_v3": (text_classifier, "DebertaV3Backbone", "DebertaV3TextClassifier",
+                   dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ, bucket_size=16)),
+    "f_net": (text_classifier, "FNetBackbone", "FNetTextClassifier", dict(TINY_LM, max_sequence_length=MAX_SEQ)),
     "vit": (image_classifier, "ViTBackbone", "ViTImageClassifier",
             dict(image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128)),
     "resnet": (image_classifier, "ResNetBackbone", "ResNetImageClassifier",
                dict(input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 64],
                     stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
                     image_shape=(32, 32, 3))),
+    "densenet": (image_classifier, "DenseNetBackbone", "DenseNetImageClassifier",
+                 dict(stackwise_num_repeats=[1, 1], image_shape=(32, 32, 3))),
 }  # fmt: skip
 
 
@@ -242,34 +260,49 @@ def check_recipe(case: Case, recipe) -> tuple[str, str]:
         return failure(exc)
 
 
-def _recipes_arg(argv):
-    """``(recipe names or None, the other arguments)``: ``--recipes all|a,b`` switches to recipe runs."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--recipes" not in argv:
-        return None, argv
-    i = argv.index("--recipes")
+def _pop_option(argv, flag, what):
+    """The value after ``flag`` in ``argv`` (both removed), or ``None`` when ``flag`` is absent."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
     if i + 1 >= len(argv):
-        raise SystemExit("--recipes needs a value: 'all' or comma-separated built-in recipe names")
+        raise SystemExit(f"{flag} needs a value: {what}")
     value = argv[i + 1]
     del argv[i : i + 2]
+    return value
+
+
+def _recipes_arg(argv):
+    """``(recipe names or None, scopes kept in high precision, the other arguments)``:
+    ``--recipes all|a,b`` switches to recipe runs, ``--high-precision-scopes a,b`` sets every
+    recipe's ``high_precision_scopes``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    value = _pop_option(argv, "--recipes", "'all' or comma-separated built-in recipe names")
+    scopes = _pop_option(argv, "--high-precision-scopes", "comma-separated jax.named_scope names")
+    if value is None:
+        if scopes is not None:
+            raise SystemExit("--high-precision-scopes applies to recipe runs: add --recipes")
+        return None, (), argv
     from scalify import recipes
 
     names = ["high", *sorted(recipes.BUILTINS)] if value == "all" else value.split(",")
     unknown = [n for n in names if n != "high" and n not in recipes.BUILTINS]
     if unknown:
         raise SystemExit(f"unknown recipe(s) {unknown}; choose from {sorted(recipes.BUILTINS)}, 'high' or 'all'")
-    return names, argv
+    return names, tuple(scopes.split(",")) if scopes else (), argv
 
 
-def recipe(name):
-    """A built-in recipe by name, or ``"high"``: every role in high precision."""
+def recipe(name, high_precision_scopes=()):
+    """A built-in recipe by name, or ``"high"`` (every role in high precision), keeping the
+    contractions under ``high_precision_scopes`` in the program's precision."""
     from scalify import recipes
 
-    return recipes.Recipe.uniform("high", None) if name == "high" else recipes.BUILTINS[name]
+    r = recipes.Recipe.uniform("high", None) if name == "high" else recipes.BUILTINS[name]
+    return r.replace(high_precision_scopes=r.high_precision_scopes + tuple(high_precision_scopes))
 
 
 def main(argv=None) -> int:
-    recipe_names, argv = _recipes_arg(argv)
+    recipe_names, scopes, argv = _recipes_arg(argv)
     args, names, formats = parse_cli(__doc__, MODELS, "keras-hub", argv)
     with tempfile.TemporaryDirectory(prefix="keras_hub_") as tmp:
         root = args.source.resolve() if args.source else fetch_keras_hub(Path(tmp))
@@ -280,7 +313,7 @@ def main(argv=None) -> int:
             case = build(hub, name, seq=RECIPE_SEQ if recipe_names else SEQ)
             for column in recipe_names or formats:
                 if recipe_names:
-                    label, (outcome, detail) = column, check_recipe(case, recipe(column))
+                    label, (outcome, detail) = column, check_recipe(case, recipe(column, scopes))
                 else:
                     label, (outcome, detail) = column.name, check(case, column)
                 rows.append((name, label, outcome, detail))

@@ -175,11 +175,32 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
     if role in recipe.stochastic_rounding:
         d = digest(x32) if source_digest is None else source_digest
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(recipe.seed), ROLES.index(role)), d)
+    return _through(view, lambda v: fmt.fake_quantize(v, key), x32)
+
+
+def _through(view: _View | None, fn, x):
+    """``fn`` applied to ``x`` in ``view`` (transposed and reshaped), the result in ``x``'s layout;
+    ``fn(x)`` when ``view`` is ``None``."""
     if view is None:
-        return fmt.fake_quantize(x32, key)
-    moved = x32.transpose(view.perm)
-    q = fmt.fake_quantize(moved.reshape(view.shape), key).reshape(moved.shape)
-    return q.transpose(tuple(int(a) for a in np.argsort(view.perm)))
+        return fn(x)
+    moved = x.transpose(view.perm)
+    out = fn(moved.reshape(view.shape)).reshape(moved.shape)
+    return out.transpose(tuple(int(a) for a in np.argsort(view.perm)))
+
+
+def rotate(hadamard, x, aim: _Aim):
+    """``x`` with ``hadamard``'s blocks applied along the GEMM's summed index.
+
+    Along the last summed axis where it holds whole blocks; otherwise along the merged summed axes
+    of the GEMM view (:func:`_gemm_view`), e.g. 32 tokens x 1 query group in grouped-query attention.
+    Both weight-gradient operands take the same branch, as their summed axes pair up in order with
+    equal lengths, so ``sum_k (H dy)_k (H x)_k = sum_k dy_k x_k`` holds blockwise (``H`` orthogonal).
+    """
+    axis = aim.contracted[-1]
+    if x.shape[axis] % hadamard.size == 0 or len(aim.contracted) < 2:
+        return hadamard.apply(x, axis)
+    view, view_aim = _gemm_view(aim, x.shape)
+    return _through(view, lambda v: hadamard.apply(v, view_aim.contracted[-1]), x)
 
 
 _OPERAND = {"fwd_lhs": "x", "fwd_rhs": "w", "dgrad_lhs": "dy", "dgrad_rhs": "w", "wgrad_lhs": "dy", "wgrad_rhs": "x"}
@@ -281,8 +302,8 @@ def _bwd(recipe, op, out_dtype, scopes, res, g):
     gw, xw = g32, x.astype(_F32)
     hadamard = recipe.wgrad_hadamard
     if hadamard is not None and aims["wgrad_lhs"].contracted:
-        gw = hadamard.apply(gw, aims["wgrad_lhs"].contracted[-1])
-        xw = hadamard.apply(xw, aims["wgrad_rhs"].contracted[-1])
+        gw = rotate(hadamard, gw, aims["wgrad_lhs"])
+        xw = rotate(hadamard, xw, aims["wgrad_rhs"])
     gq = quantize_operand(recipe, "wgrad_lhs", gw, aims["wgrad_lhs"], g_digest)
     xq = quantize_operand(recipe, "wgrad_rhs", xw, aims["wgrad_rhs"])
     (dw,) = jax.linear_transpose(lambda b: op.emulated(xq, b), _like(w))(gq)

@@ -241,15 +241,39 @@ def test_summed_axes_merge_into_the_2d_view(name):
     holds as a multiple of 32. Its operands are quantized in torchao's 2-D view (32 tokens x 64),
     so the gradients equal those of the same layer on x reshaped to (32, 64), bit for bit."""
     x, w, dy = _data((2, 16, 64), 8), _data((64, 64), 9), _data((2, 16, 64), 10)
-    recipe = recipes.BUILTINS[name].replace(stochastic_rounding=())
+    _assert_grads_equal_the_2d_layers(recipes.BUILTINS[name].replace(stochastic_rounding=()), x, w, dy)
+
+
+def _assert_grads_equal_the_2d_layers(recipe, x, w, dy):
+    """The gradients of ``sum((x @ w) * dy)`` under ``recipe`` equal, bit for bit, those of the same
+    layer on ``x`` reshaped to 2-D (tokens x features); returns them."""
+    tokens, n = x.size // x.shape[-1], w.shape[-1]
 
     def layer(x, w):
-        return jnp.sum(recipes.apply(lambda x, w: x @ w, recipe)(x, w) * dy.reshape((*x.shape[:-1], 64)))
+        return jnp.sum(recipes.apply(lambda x, w: x @ w, recipe)(x, w) * dy.reshape((*x.shape[:-1], n)))
 
     got = jax.grad(layer, argnums=(0, 1))(x, w)
-    want = jax.grad(layer, argnums=(0, 1))(x.reshape(32, 64), w)
-    np.testing.assert_array_equal(got[0].reshape(32, 64), want[0])
+    want = jax.grad(layer, argnums=(0, 1))(x.reshape(tokens, -1), w)
+    np.testing.assert_array_equal(got[0].reshape(tokens, -1), want[0])
     np.testing.assert_array_equal(got[1], want[1])
+    return got
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [recipes.NVFP4.replace(stochastic_rounding=()), HIGH.replace(wgrad_hadamard=qf.RandomHadamard(16))],
+    ids=["nvfp4", "high+hadamard"],
+)
+def test_hadamard_rotates_the_merged_tokens_when_the_last_summed_axis_is_short(recipe):
+    """Grouped-query attention with one query group per key head: the weight gradient of a
+    ``(tokens, 1 group, features)`` input sums over 32 tokens x 1, and its last summed axis holds no
+    16-block. The Hadamard transform then acts on the merged 32 tokens, as on the 2-D layer's, so the
+    gradients equal those of x reshaped to (32, 64): bit for bit under NVFP4, and within float32
+    rounding of the unrotated product in high precision (the transform is orthogonal)."""
+    x, w, dy = _data((32, 1, 64), 17), _data((64, 48), 18), _data((32, 1, 48), 19)
+    got = _assert_grads_equal_the_2d_layers(recipe, x, w, dy)
+    if recipe.name == "high":
+        np.testing.assert_allclose(got[1], x.reshape(32, 64).T @ dy.reshape(32, 48), rtol=1e-4, atol=1e-5)
 
 
 def test_summed_axes_merge_in_either_order():

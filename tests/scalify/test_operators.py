@@ -67,6 +67,12 @@ UNARY = {
     "sort_0": lambda x: jnp.sort(x, axis=0),
     "argsort": lambda x: jnp.argsort(x, axis=-1),
     "sort_with_values": lambda x: jax.lax.sort((x, x * 2.0), num_keys=1)[1],
+    # F-Net's token mixing (KerasHub): real(fft2(complex(x, 0))), and its gradient
+    "fnet_mixing": lambda x: jnp.real(jnp.fft.fft2(jax.lax.complex(x, jnp.zeros_like(x)))),
+    "fnet_mixing_grad": jax.grad(lambda x: jnp.sum(jnp.real(jnp.fft.fft2(jax.lax.complex(x, jnp.zeros_like(x)))) ** 2)),
+    "fft2_of_real": lambda x: jnp.imag(jnp.fft.fft2(x)),
+    "rfft_irfft": lambda x: jnp.fft.irfft(jnp.fft.rfft(x, axis=-1) * jnp.arange(17, dtype=jnp.complex64), axis=-1),
+    "complex_conj": lambda x: jnp.imag(jnp.conj(jax.lax.complex(x, x * 0.5))),
     "cumsum": lambda x: jnp.cumsum(x, axis=0),
     "cumsum_1": lambda x: jnp.cumsum(x, axis=1),
     "concat_self": lambda x: jnp.concatenate([x, -x], axis=0),
