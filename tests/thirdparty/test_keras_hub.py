@@ -10,7 +10,7 @@ The script downloads the keras-hub wheel (``pip download --no-deps``: its tensor
 serves tokenizers no model call touches), so this needs PyPI, as the install CI runs first does.
 
 Every model but Qwen 3.5 (``SCRIPT_ONLY``) runs in one format, and the formats rotate so that each family meets several
-architectures: the fast lane runs Gemma in MXFP8, the slow lane the rest, and four models in five runs under
+architectures: the fast lane runs Gemma in MXFP8, the slow lane the rest, and four models in four runs under
 ``scalify.recipes.apply`` (the script's ``--recipes``). ``docs/examples.md`` has the full tables
 from the script.
 """
@@ -89,15 +89,15 @@ def test_keras_hub_model_trains_unchanged(hub, model, fmt_name):
         ("gemma", "mxfp8", ()),
         ("mixtral", "float8_rowwise", ()),
         ("llama3", "high", ()),
-        ("llama3", "nvfp4", ()),
         ("gpt_oss", "mxfp8", ("router",)),
     ],
 )
 def test_keras_hub_model_under_a_recipe(hub, model, recipe, scopes):
     """``recipes.apply`` on the unchanged loss at 32 tokens: Gemma's rotary outer products and
-    grouped-query scores in MXFP8, Mixtral's router and experts in row-wise float8, Llama's unit
-    query-group axis under NVFP4's Hadamard transform, gpt-oss in MXFP8 with its 4-expert router
-    (which MX blocks refuse) kept in high precision by scope; ``high`` reproduces float32."""
+    grouped-query scores in MXFP8, Mixtral's router and experts in row-wise float8, gpt-oss in MXFP8
+    with its 4-expert router (which MX blocks refuse) kept in high precision by scope; ``high``
+    reproduces float32. (Llama under NVFP4, 52 s here, is run by the script; the fast lane's
+    ``test_hadamard_rotates_the_merged_tokens_when_the_last_summed_axis_is_short`` holds its fix.)"""
     case = runner.build(hub, model, seq=runner.RECIPE_SEQ)
     outcome, detail = runner.check_recipe(case, runner.recipe(recipe, scopes))
     assert outcome == "ok", f"{model} under {recipe} (scopes {scopes}): {outcome} {detail}"
