@@ -456,6 +456,19 @@ def failure(exc) -> tuple[str, str]:
     return "FAIL", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
+def pop_option(argv: list, flag: str, what: str):
+    """The value after ``flag`` in ``argv`` (both removed), or ``None`` when ``flag`` is absent; the
+    examples scripts' own options, taken out before :func:`parse_cli` sees the shared ones."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    if i + 1 >= len(argv):
+        raise SystemExit(f"{flag} needs a value: {what}")
+    value = argv[i + 1]
+    del argv[i : i + 2]
+    return value
+
+
 def parse_cli(doc, examples, package, argv):
     """``(args, names, formats)`` of the examples scripts' command line (``--source``, ``--only``,
     ``--formats``, ``--markdown``), the example names and formats validated."""

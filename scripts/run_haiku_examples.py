@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _jax_scalify_source import fetch_sdist  # noqa: E402
-from run_flax_examples import failure, install_stand_ins, parse_cli, summary  # noqa: E402
+from run_flax_examples import failure, install_stand_ins, parse_cli, pop_option, summary  # noqa: E402
 from thirdparty_harness import assert_tree_close, dequantize_tree, n_scaled, quantize_tree  # noqa: E402
 
 import scalify  # noqa: E402
@@ -189,17 +189,16 @@ def check(state, run, update, init_opt, fmt) -> tuple[str, str]:
 def _blocks_arg(argv):
     """``(ResNet blocks per group or None, the other arguments)``: ``--resnet-blocks a,b,c,d``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--resnet-blocks" not in argv:
+    what = "four positive counts, e.g. 1,1,1,1 (ResNet-50: 3,4,6,3)"
+    value = pop_option(argv, "--resnet-blocks", what)
+    if value is None:
         return None, argv
-    i = argv.index("--resnet-blocks")
-    value = argv[i + 1 : i + 2]
-    del argv[i : i + 2]
     try:
-        blocks = tuple(int(b) for b in value[0].split(","))
-    except (IndexError, ValueError):
+        blocks = tuple(int(b) for b in value.split(","))
+    except ValueError:
         blocks = ()
     if len(blocks) != 4 or min(blocks) < 1:
-        raise SystemExit("--resnet-blocks needs four positive counts, e.g. 1,1,1,1 (ResNet-50: 3,4,6,3)")
+        raise SystemExit(f"--resnet-blocks needs {what}")
     return blocks, argv
 
 

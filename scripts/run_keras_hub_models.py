@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from run_flax_examples import failure, parse_cli, summary  # noqa: E402
+from run_flax_examples import failure, parse_cli, pop_option, summary  # noqa: E402
 from thirdparty_harness import Case, assert_tree_close, n_scaled, quantize_tree, run_loss, run_step  # noqa: E402
 
 # The version the figures in docs/examples.md were measured with (KerasHub changes its models' code).
@@ -260,25 +260,13 @@ def check_recipe(case: Case, recipe) -> tuple[str, str]:
         return failure(exc)
 
 
-def _pop_option(argv, flag, what):
-    """The value after ``flag`` in ``argv`` (both removed), or ``None`` when ``flag`` is absent."""
-    if flag not in argv:
-        return None
-    i = argv.index(flag)
-    if i + 1 >= len(argv):
-        raise SystemExit(f"{flag} needs a value: {what}")
-    value = argv[i + 1]
-    del argv[i : i + 2]
-    return value
-
-
 def _recipes_arg(argv):
     """``(recipe names or None, scopes kept in high precision, the other arguments)``:
     ``--recipes all|a,b`` switches to recipe runs, ``--high-precision-scopes a,b`` sets every
     recipe's ``high_precision_scopes``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    value = _pop_option(argv, "--recipes", "'all' or comma-separated built-in recipe names")
-    scopes = _pop_option(argv, "--high-precision-scopes", "comma-separated jax.named_scope names")
+    value = pop_option(argv, "--recipes", "'all' or comma-separated built-in recipe names")
+    scopes = pop_option(argv, "--high-precision-scopes", "comma-separated jax.named_scope names")
     if value is None:
         if scopes is not None:
             raise SystemExit("--high-precision-scopes applies to recipe runs: add --recipes")
