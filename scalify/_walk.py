@@ -281,6 +281,26 @@ def sub_jaxprs(eqn) -> list:
     return out
 
 
+def sub_jaxpr_operands(eqn) -> list[list[int | None]]:
+    """For each of ``eqn``'s sub-jaxprs (as :func:`sub_jaxprs` lists them), the index of the
+    operand of ``eqn`` each of its invars receives; ``None`` for a loop carry, whose value changes
+    from one iteration to the next (while, scan). Other sub-jaxprs take the trailing operands
+    (jit, checkpoint, custom rules and shard_map all of them; cond's branches all but the index)."""
+    n, p = len(eqn.invars), eqn.params
+    if eqn.primitive is while_p:
+        cc, bc = p["cond_nconsts"], p["body_nconsts"]
+        carry = [None] * (n - cc - bc)
+        return [[*range(cc), *carry], [*range(cc, cc + bc), *carry]]
+    if eqn.primitive is scan_p:
+        c, k = p["num_consts"], p["num_carry"]
+        return [[*range(c), *[None] * k, *range(c + k, n)]]
+    out = []
+    for j in sub_jaxprs(eqn):
+        m = len(j.jaxpr.invars if isinstance(j, ClosedJaxpr) else j.invars)
+        out.append(list(range(n - m, n)))
+    return out
+
+
 def has_sub_jaxprs(eqn) -> bool:
     """Whether ``eqn`` is a higher-order primitive (described here or not)."""
     if eqn.primitive in HIGHER_ORDER:

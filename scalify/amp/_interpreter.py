@@ -23,6 +23,7 @@ from scalify import _jax_compat as jc
 from scalify import _walk
 from scalify._in_place import holds_graph_nodes, lift_in_place
 from scalify._scaled_array import split_leaves
+from scalify.amp import _sources
 from scalify.amp._policy import (
     BindRule,
     QuantizeInputs,
@@ -44,6 +45,8 @@ class _Context:
         # sub-jaxpr -> re-traced sub-jaxpr, for one call of the amp'ed function (jnp helpers such as
         # ``_where`` appear many times; reusing one jaxpr object also lets JAX reuse its caches)
         self.retraced: dict = {}
+        # Operands' sources are tracked for rules that read them (the recipes'), not for dtype policies.
+        self.tracks_sources = any(isinstance(rule, BindRule) for rule in policy.values())
 
     def for_one_call(self) -> _Context:
         return _Context(self.compute_dtype, self.policy)
@@ -85,15 +88,49 @@ def _cast_to_avals(values, avals):
 
 
 class _Amp(_walk.Walk):
-    """amp's walk under the named ``scopes`` around the walked jaxpr (outermost first)."""
+    """amp's walk under the named ``scopes`` around the walked jaxpr (outermost first).
 
-    def __init__(self, ctx: _Context, scopes: tuple[str, ...] = ()):
+    ``sources``: ``{sub-jaxpr: the sources of its invars}`` (:mod:`scalify.amp._sources`) for the
+    sub-jaxprs of one equation; ``None`` for the walked function itself.
+    """
+
+    def __init__(self, ctx: _Context, scopes: tuple[str, ...] = (), sources: dict | None = None):
         self.ctx = ctx
         self.scopes = scopes
+        self.sources = sources
         self.cache = ctx.retraced
-        self.key = scopes
+        self.key = (scopes, None if sources is None else tuple(sources.values()))
+        self._env = None
+
+    def eval(self, jaxpr, consts, args) -> list:
+        if not self.ctx.tracks_sources:
+            return super().eval(jaxpr, consts, args)
+        inputs = None if self.sources is None else self.sources.get(jaxpr, (_sources.MANY,) * len(jaxpr.invars))
+        outer, self._env = self._env, _sources.Sources(jaxpr, inputs)
+        try:
+            return super().eval(jaxpr, consts, args)
+        finally:
+            self._env = outer
 
     def apply(self, eqn, invals):
+        if self._env is None:
+            return self._apply(eqn, invals, None)
+        sources = self._env.of(eqn)
+        outs = self._apply(eqn, invals, sources)
+        self._env.record(eqn, sources)
+        return outs
+
+    def _sub_sources(self, eqn, sources) -> dict | None:
+        """The sources of each sub-jaxpr's invars, from those of ``eqn``'s operands."""
+        if sources is None:
+            return None
+        out = {}
+        for j, operands in zip(_walk.sub_jaxprs(eqn), _walk.sub_jaxpr_operands(eqn), strict=True):
+            jaxpr = j.jaxpr if isinstance(j, jc.ClosedJaxpr) else j
+            out[jaxpr] = _sources.canonical(_sources.MANY if i is None else sources[i] for i in operands)
+        return out
+
+    def _apply(self, eqn, invals, sources):
         """Higher-order primitives are rebuilt around walked bodies; others follow the policy."""
         scopes = (*self.scopes, *jc.scope_names(eqn.source_info.name_stack))
         prim = eqn.primitive
@@ -101,13 +138,14 @@ class _Amp(_walk.Walk):
             # A sub-jaxpr keeps its signature: its operands get the traced program's dtypes back.
             invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
             if prim in _walk.HIGHER_ORDER:
-                return _walk.rebuild(_Amp(self.ctx, scopes), eqn, invals)
+                return _walk.rebuild(_Amp(self.ctx, scopes, self._sub_sources(eqn, sources)), eqn, invals)
             return jc.bind_params(prim, invals, eqn.params)  # one the walker does not describe
         rule = self.ctx.lookup(scopes, prim)
         subfuns, params = jc.get_bind_params(prim, eqn.params)
         if isinstance(rule, BindRule):
             invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
-            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars], scopes)
+            counts = () if sources is None else tuple(_sources.count(s) for s in sources)
+            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars], scopes, counts)
         orig_dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
         if isinstance(rule, QuantizeInputs):
             invals, params = rule.apply(prim, self.ctx.compute_dtype, orig_dtypes, invals, params)

@@ -34,10 +34,16 @@ class RecipeContraction(BindRule):
     def __repr__(self):
         return f"RecipeContraction({self.recipe.name!r})"
 
-    def bind(self, primitive, invals, params, out_avals, scopes=()):
+    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=()):
         x, w = invals
         if not (_is_float(x) and _is_float(w)):
             return [primitive.bind(x, w, **params)]
+        if primitive is lax.dot_general_p and tuple(sources) == (1, 2) and params.get("out_sharding") is None:
+            # The weight came first (jnp.einsum orders operands as it finds cheapest): bind the
+            # weight as the rhs, so its roles (2-D tiles, the weight gradient) are the weight's.
+            params, unswap = _rhs_first(params, x.ndim, w.ndim)
+            (y,) = self.bind(primitive, (w, x), params, out_avals, scopes)  # out_avals: only the dtype is read
+            return [jnp.transpose(y, unswap)]
         op = Contraction(primitive, tuple(sorted(params.items())))
         if not op.aims(x.ndim, w.ndim)["fwd_lhs"].contracted:
             # An outer product (rotary embeddings' positions x frequencies) is no GEMM of a linear
@@ -45,6 +51,19 @@ class RecipeContraction(BindRule):
             return [primitive.bind(x, w, **params)]
         out_dtype = self.recipe.out_dtype or out_avals[0].dtype
         return [recipe_contraction(self.recipe, op, out_dtype, tuple(scopes), x, w).astype(out_avals[0].dtype)]
+
+
+def _rhs_first(params, lhs_ndim: int, rhs_ndim: int):
+    """``dot_general(rhs, lhs)``'s params for ``dot_general(lhs, rhs, **params)``, and the
+    permutation taking its output (batch, rhs free, lhs free) to the original's (batch, lhs free,
+    rhs free)."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    nb = len(lb)
+    lf, rf = lhs_ndim - len(lc) - nb, rhs_ndim - len(rc) - nb
+    swapped = {**params, "dimension_numbers": ((rc, lc), (rb, lb))}
+    if isinstance(params.get("precision"), tuple):
+        swapped["precision"] = params["precision"][::-1]
+    return swapped, (*range(nb), *range(nb + rf, nb + rf + lf), *range(nb, nb + rf))
 
 
 def policy(recipe: Recipe) -> dict:

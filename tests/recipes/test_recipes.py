@@ -22,6 +22,7 @@ from scalify import amp, recipes
 from scalify.recipes._gemm import dot_aims, quantize_operand
 
 HIGH = recipes.Recipe.uniform("high", None)
+_MATMUL = {"dimension_numbers": (((1,), (0,)), ((), ()))}  # x @ w's dot_general
 
 
 def _data(shape, seed, scale=1.0):
@@ -285,6 +286,93 @@ def test_summed_axes_merge_in_either_order():
     got = recipes.apply(lambda x, w: jnp.einsum("btnh,nhd->btd", x, w), recipes.MXFP8)(x, w)
     want = recipes.apply(lambda x, w: x @ w, recipes.MXFP8)(x.reshape(2, 32, 64), w.reshape(64, 64))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+# A weight gradient in high precision (as torchao's ``mxfp8_wgrad_hp``), the dgrad and forward in MXFP8.
+HP_WGRAD = recipes.MXFP8.replace(name="mxfp8_hp_wgrad", wgrad_lhs=None, wgrad_rhs=None)
+
+
+def _expert_bank(recipe):
+    """Mixtral's expert bank as KerasHub writes it, on an activation (``x + b`` mixes two inputs):
+    ``jnp.einsum`` binds it as ``dot_general(w, x)``, the weight first."""
+    return recipes.apply(lambda x, b, w: jnp.einsum("th,ehm->etm", x + b, w), recipe)
+
+
+def _expert_bank_2d(recipe):
+    """The same layer as one 2-D GEMM, ``(x + b) @ W`` with the experts side by side in ``W``."""
+    t, (e, h, m) = 64, (4, 64, 128)
+
+    def layer(x, b, w):
+        y = recipes.apply(lambda x, b, w: (x + b) @ w, recipe)(x, b, w.transpose(1, 0, 2).reshape(h, e * m))
+        return y.reshape(t, e, m).transpose(1, 0, 2)
+
+    return layer
+
+
+@pytest.mark.parametrize("recipe", [recipes.NVFP4.replace(stochastic_rounding=()), HP_WGRAD], ids=["nvfp4", "hp_wgrad"])
+def test_a_weight_bound_first_keeps_the_weights_roles(recipe):
+    """``einsum("th,ehm->etm", x, w)`` binds ``dot_general(w, x)``. The weight is told by its
+    source (one input of the function; the activation mixes two), so its roles stay its own: NVFP4
+    tiles ``w`` 16x16 and rotates the weight gradient's operands; ``HP_WGRAD`` computes ``dw``, not
+    ``dx``, in high precision. The gradients equal the 2-D layer's (same operands, same blocks) up
+    to the order of float32 sums; by position, ``x`` took the weight's roles (dx differed by up to
+    12 of 72 under NVFP4)."""
+    x, b, w, dy = _data((64, 64), 20), _data((64,), 21), _data((4, 64, 128), 22), _data((4, 64, 128), 23)
+
+    def grads(layer):
+        return jax.grad(lambda x, b, w: jnp.sum(layer(x, b, w) * dy), argnums=(0, 2))(x, b, w)
+
+    got, want = grads(_expert_bank(recipe)), grads(_expert_bank_2d(recipe))
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(r))))
+    if recipe is HP_WGRAD:  # dw in float32, dx quantized
+        dx32, dw32 = jax.grad(lambda x, w: jnp.sum(jnp.einsum("th,ehm->etm", x + b, w) * dy), argnums=(0, 1))(x, w)
+        np.testing.assert_allclose(got[1], dw32, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(dw32))))
+        assert np.max(np.abs(got[0] - dx32)) > 1e-2 * np.max(np.abs(dx32))
+
+
+def test_weights_are_told_inside_jit_scan_and_fori_loop():
+    """The weight's source survives a jitted layer, a scan over stacked layers (the weight a slice of
+    the scanned stack), a ``fori_loop`` and a ``while_loop`` indexing the stack with their counter:
+    a layer written ``einsum("th,hm->mt", x, w)`` (bound weight first) gets the same gradients (the
+    while loop: the same value) as ``x @ w``."""
+    ws, x, b = _data((2, 64, 64), 24, 0.2), _data((64, 64), 25), _data((64,), 26)
+    recipe = recipes.NVFP4.replace(stochastic_rounding=())
+    by_einsum = jax.jit(lambda x, w: jnp.einsum("th,hm->mt", x, w).T)
+    by_matmul = jax.jit(lambda x, w: x @ w)
+
+    def scanned(layer):
+        return lambda ws, x, b: jnp.sum(lax.scan(lambda h, w: (jnp.tanh(layer(h, w)), None), x + b, ws)[0] ** 2)
+
+    def looped(layer):
+        return lambda ws, x, b: jnp.sum(lax.fori_loop(0, 2, lambda i, h: jnp.tanh(layer(h, ws[i])), x + b) ** 2)
+
+    def whiled(layer):  # forward only: while_loop has no reverse-mode derivative
+        def program(ws, x, b):
+            body = lambda c: (c[0] + 1, jnp.tanh(layer(c[1], ws[c[0]])))
+            return jnp.sum(lax.while_loop(lambda c: c[0] < 2, body, (0, x + b))[1] ** 2)
+
+        return program
+
+    for program in (scanned, looped):
+        got = jax.grad(recipes.apply(program(by_einsum), recipe))(ws, x, b)
+        want = jax.grad(recipes.apply(program(by_matmul), recipe))(ws, x, b)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))
+    got, want = (recipes.apply(whiled(layer), recipe)(ws, x, b) for layer in (by_einsum, by_matmul))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_operands_of_one_source_each_keep_their_positions():
+    """Where neither operand mixes inputs (a first layer on the raw batch, ``einsum(x, w)`` of two
+    arguments) their sources do not tell them apart, and the bound order stands: the lhs takes
+    the ``x`` roles, as :func:`dot_aims` names them."""
+    x, w = _data((64, 64), 27), _data((64, 64), 28)
+    recipe = recipes.NVFP4.replace(stochastic_rounding=())
+    got = recipes.apply(lambda x, w: jnp.einsum("th,hm->mt", x, w), recipe)(x, w)
+    # dot_general(w, x): w is quantized as the lhs (1x16 blocks), x as the rhs (16x16 tiles)
+    w_lhs = quantize_operand(recipe, "fwd_lhs", w.T, dot_aims(_MATMUL, 2, 2)["fwd_lhs"])
+    x_rhs = quantize_operand(recipe, "fwd_rhs", x.T, dot_aims(_MATMUL, 2, 2)["fwd_rhs"])
+    np.testing.assert_allclose(got, np.asarray(w_lhs) @ np.asarray(x_rhs), rtol=1e-5, atol=1e-4)
 
 
 def test_tiles_without_a_free_axis_error_names_the_role():

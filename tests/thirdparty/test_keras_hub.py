@@ -101,3 +101,18 @@ def test_keras_hub_model_under_a_recipe(hub, model, recipe, scopes):
     case = runner.build(hub, model, seq=runner.RECIPE_SEQ)
     outcome, detail = runner.check_recipe(case, runner.recipe(recipe, scopes))
     assert outcome == "ok", f"{model} under {recipe} (scopes {scopes}): {outcome} {detail}"
+
+
+@pytest.mark.slow
+def test_mixtral_below_the_nvfp4_floor_by_rerouted_tokens(hub):
+    """``scripts/keras_hub_moe_routing.py``'s diagnosis of Mixtral under NVFP4 (routers in high
+    precision): tokens are rerouted in both MoE layers, the gradient's cosine with float32's is below
+    the 4-bit floor, and with every router pinned to float32's choice it is above it (0.652 and
+    0.836 measured). Pinned routing also needs the expert bank's weight to keep its roles though
+    ``jnp.einsum`` binds it first (0.788 by operand position)."""
+    import keras_hub_moe_routing as moe
+
+    case = runner.build(hub, "mixtral", seq=runner.RECIPE_SEQ)
+    m = moe.measure(case, runner.recipe("nvfp4", moe.ROUTER_SCOPES))
+    assert len(m["rerouted"]) == 2 and min(m["rerouted"]) > 0, m
+    assert m["cosine"] < runner.RECIPE_COSINE_FLOOR[4] < m["pinned"], m

@@ -1,0 +1,82 @@
+"""Which inputs of the walked function each value is computed from: a weight or an activation.
+
+A contraction's operands do not say which is the layer's weight: ``jnp.einsum`` orders them as it
+finds cheapest (``einsum("th,ehm->etm", x, w)`` binds ``dot_general(w, x)``). Their sources do. A
+weight is computed from one input of the function alone (a parameter, reshaped, cast, sliced from
+a stack of layers); an activation mixes several (the batch and the parameters before it).
+
+Each value's source is ``None`` (constants and literals only), one input's id, or :data:`MANY`.
+An equation's outputs take the join of its operands' sources, leaving out integer and boolean
+scalars (loop counters, indices, predicates), and a loop carry is :data:`MANY` (it changes with
+the iterations). Sub-jaxprs receive their operands' sources renumbered in order of appearance, so
+one jnp helper called on differently-sourced but alike-patterned operands is walked once.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from scalify import _jax_compat as jc
+
+MANY = "many"
+
+
+def join(sources):
+    """The source of a value computed from values of ``sources``: ``None`` if none has one, the
+    input they share if one, else :data:`MANY`."""
+    out = None
+    for s in sources:
+        if s is None:
+            continue
+        if s == MANY or (out is not None and s != out):
+            return MANY
+        out = s
+    return out
+
+
+def canonical(sources) -> tuple:
+    """``sources`` with the inputs' ids renumbered 0, 1, ... in order of first appearance."""
+    ids: dict = {}
+    return tuple(s if s is None or s == MANY else ids.setdefault(s, len(ids)) for s in sources)
+
+
+def count(source) -> int:
+    """How many of the function's inputs a value is computed from: 0, 1, or 2 for two or more."""
+    return 0 if source is None else 2 if source == MANY else 1
+
+
+def _counts(var) -> bool:
+    """Whether ``var``'s source counts in a join: not a literal, not an integer or boolean scalar."""
+    if isinstance(var, jc.Literal):
+        return False
+    aval = var.aval
+    return not (getattr(aval, "shape", None) == () and not jnp.issubdtype(aval.dtype, jnp.inexact))
+
+
+class Sources:
+    """The sources of one evaluation of a jaxpr's variables.
+
+    ``inputs``: the sources of the jaxpr's invars (as :func:`canonical` gives them), or ``None``
+    at the top level, where each invar is an input of its own. Constvars are inputs of their own.
+    Unknown variables read as :data:`MANY`, which leaves a contraction in its bound order.
+    """
+
+    def __init__(self, jaxpr, inputs: tuple | None):
+        if inputs is None:
+            inputs = tuple(range(len(jaxpr.invars)))
+        elif len(inputs) != len(jaxpr.invars):  # a layout the walker does not describe: assume mixed
+            inputs = (MANY,) * len(jaxpr.invars)
+        self.env = dict(zip(jaxpr.invars, inputs, strict=True))
+        self.env.update({v: ("const", i) for i, v in enumerate(jaxpr.constvars)})
+
+    def read(self, var):
+        return None if isinstance(var, jc.Literal) else self.env.get(var, MANY)
+
+    def of(self, eqn) -> list:
+        """The sources of ``eqn``'s operands."""
+        return [self.read(v) for v in eqn.invars]
+
+    def record(self, eqn, sources) -> None:
+        """Each output of ``eqn`` takes the join of its counted operands' sources."""
+        out = join(s for s, v in zip(sources, eqn.invars, strict=True) if _counts(v))
+        self.env.update({v: out for v in eqn.outvars})
