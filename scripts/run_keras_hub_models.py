@@ -9,8 +9,11 @@
 The models are KerasHub's own task models (``GemmaCausalLM``, ``Llama3CausalLM``, ``MixtralCausalLM``,
 ``BertClassifier``, ``ResNetImageClassifier``, ...): Google's Keras team's implementations of the
 architectures people fine-tune and serve, with their own layers, initialisers, masks, rotary
-embeddings, ALiBi, soft-capping, mixture-of-experts routers, recurrences (RWKV-7, Qwen 3.5's gated
-delta rule), Fourier mixing (F-Net), relative-position attention (DeBERTa-v3) and BatchNorm. Each is built at a tiny
+embeddings (partial in GPT-NeoX, absent in SmolLM3's NoPE layers), ALiBi, soft-capping,
+mixture-of-experts routers (with a shared expert in Qwen-MoE), recurrences (RWKV-7, Qwen 3.5's gated
+delta rule), Fourier mixing (F-Net), relative-position attention (DeBERTa-v3), shared layers (ALBERT),
+shifted-window attention (Swin), spatially reduced attention (MiT), depthwise and separable
+convolutions with squeeze-and-excite (EfficientNet, MobileNet, Xception) and BatchNorm. Each is built at a tiny
 configuration (2 layers, width 64) through its public constructor and called as any JAX user of
 Keras calls it, ``model.stateless_call(trainable, non_trainable, inputs)``; nothing of KerasHub is
 copied into this repository or changed.
@@ -176,11 +179,24 @@ MODELS = {
                 dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, head_dim=32,
                      layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                      linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)),
+    "gpt_neo_x": (causal_lm, "GPTNeoXBackbone", "GPTNeoXCausalLM",
+                  dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ)),
+    "smollm3": (causal_lm, "SmolLM3Backbone", "SmolLM3CausalLM",
+                dict(vocabulary_size=VOCAB, hidden_dim=64, intermediate_dim=128, num_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, attention_bias=False, attention_dropout=0.0,
+                     rope_layer_enabled_list=[True, False], layer_types=["full_attention"] * 2, mlp_bias=False,
+                     layer_norm_epsilon=1e-6, max_position_embeddings=MAX_SEQ, rope_theta=10000.0,
+                     partial_rotary_factor=1.0)),
+    "qwen_moe": (causal_lm, "QwenMoeBackbone", "QwenMoeCausalLM",
+                 dict(TINY_LM, num_query_heads=2, num_key_value_heads=1, moe_intermediate_dim=64,
+                      shared_expert_intermediate_dim=128, num_experts=4, top_k=2)),
     "bert": (text_classifier, "BertBackbone", "BertClassifier",
              dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ)),
     "deberta_v3": (text_classifier, "DebertaV3Backbone", "DebertaV3TextClassifier",
                    dict(TINY_LM, num_heads=2, max_sequence_length=MAX_SEQ, bucket_size=16)),
     "f_net": (text_classifier, "FNetBackbone", "FNetTextClassifier", dict(TINY_LM, max_sequence_length=MAX_SEQ)),
+    "albert": (text_classifier, "AlbertBackbone", "AlbertTextClassifier",
+               dict(TINY_LM, num_heads=2, embedding_dim=32, max_sequence_length=MAX_SEQ)),
     "vit": (image_classifier, "ViTBackbone", "ViTImageClassifier",
             dict(image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128)),
     "resnet": (image_classifier, "ResNetBackbone", "ResNetImageClassifier",
@@ -189,6 +205,32 @@ MODELS = {
                     image_shape=(32, 32, 3))),
     "densenet": (image_classifier, "DenseNetBackbone", "DenseNetImageClassifier",
                  dict(stackwise_num_repeats=[1, 1], image_shape=(32, 32, 3))),
+    "swin": (image_classifier, "SwinTransformerBackbone", "SwinTransformerImageClassifier",
+             dict(image_shape=(32, 32, 3), embed_dim=32, depths=[2, 2], num_heads=[1, 2], window_size=4,
+                  patch_size=4, drop_path=0.0)),
+    "mit": (image_classifier, "MiTBackbone", "MiTImageClassifier",
+            dict(layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2], layerwise_sr_ratios=[2, 1],
+                 max_drop_path_rate=0.0, layerwise_patch_sizes=[7, 3], layerwise_strides=[4, 2],
+                 image_shape=(32, 32, 3), hidden_dims=[32, 64])),
+    "efficientnet": (image_classifier, "EfficientNetBackbone", "EfficientNetImageClassifier",
+                     dict(stackwise_kernel_sizes=[3, 3], stackwise_num_repeats=[1, 1],
+                          stackwise_input_filters=[32, 32], stackwise_output_filters=[32, 64],
+                          stackwise_expansion_ratios=[1, 4], stackwise_squeeze_and_excite_ratios=[0.0, 0.25],
+                          stackwise_strides=[1, 2], stackwise_block_types=["fused", "unfused"],
+                          stackwise_force_input_filters=[0, 0], stackwise_nores_option=[False, False],
+                          stackwise_width_coefficients=[1.0, 1.0], stackwise_depth_coefficients=[1.0, 1.0],
+                          input_shape=(32, 32, 3), num_features=64, dropout=0.0)),
+    "mobilenet": (image_classifier, "MobileNetBackbone", "MobileNetImageClassifier",
+                  dict(stackwise_expansion=[[64], [128, 128]], stackwise_num_blocks=[1, 2],
+                       stackwise_num_filters=[[32], [32, 32]], stackwise_kernel_size=[[3], [3, 3]],
+                       stackwise_num_strides=[[2], [1, 1]], stackwise_se_ratio=[[None], [0.25, 0.25]],
+                       stackwise_activation=[["relu"], ["hard_swish", "hard_swish"]], stackwise_padding=[[1], [1, 1]],
+                       output_num_filters=64, input_activation="hard_swish", output_activation="hard_swish",
+                       input_num_filters=32, image_shape=(32, 32, 3), depthwise_filters=32, squeeze_and_excite=0.5,
+                       depthwise_stride=1, depthwise_residual=False, last_layer_filter=64)),
+    "xception": (image_classifier, "XceptionBackbone", "XceptionImageClassifier",
+                 dict(stackwise_conv_filters=[[32, 64], [64, 64]], stackwise_pooling=[True, False],
+                      image_shape=(32, 32, 3))),
 }  # fmt: skip
 
 

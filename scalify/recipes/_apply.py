@@ -9,6 +9,7 @@ keep the program's precision.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -45,9 +46,10 @@ class RecipeContraction(BindRule):
             (y,) = self.bind(primitive, (w, x), params, out_avals, scopes)  # out_avals: only the dtype is read
             return [jnp.transpose(y, unswap)]
         op = Contraction(primitive, tuple(sorted(params.items())))
-        if not op.aims(x.ndim, w.ndim)["fwd_lhs"].contracted:
-            # An outer product (rotary embeddings' positions x frequencies) is no GEMM of a linear
-            # layer; its gradients are reductions against a vector. All three keep the program's precision.
+        if math.prod(x.shape[a] for a in op.aims(x.ndim, w.ndim)["fwd_lhs"].contracted) == 1:
+            # An outer product (rotary embeddings' positions x frequencies, also written as a matmul
+            # summing over one element) is no GEMM of a linear layer; its gradients are reductions
+            # against a vector. All three keep the program's precision.
             return [primitive.bind(x, w, **params)]
         out_dtype = self.recipe.out_dtype or out_avals[0].dtype
         return [recipe_contraction(self.recipe, op, out_dtype, tuple(scopes), x, w).astype(out_avals[0].dtype)]

@@ -220,14 +220,26 @@ def test_recipe_errors_name_the_problem():
         )
 
 
+def _rotary_einsum(pos, freq):
+    return jnp.einsum("bi,j->bij", pos, freq)
+
+
+def _rotary_matmul(pos, freq):
+    """Hugging Face's (and KerasHub's SmolLM3's) form: ``freq[:, None] @ pos[None, :]``, batched, a
+    matmul summing over an axis of length 1."""
+    return jnp.swapaxes(jnp.broadcast_to(freq[None, :, None], (pos.shape[0], freq.size, 1)) @ pos[:, None, :], 1, 2)
+
+
+@pytest.mark.parametrize("rotary", [_rotary_einsum, _rotary_matmul], ids=["einsum", "matmul_k1"])
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "float8_rowwise"])
-def test_outer_product_and_its_gradients_keep_the_program(name):
-    """Rotary embeddings' ``einsum("bi,j->bij", positions, frequencies)`` sums over nothing: no linear
-    layer's GEMM. Its gradients (sums over 16 frequencies, over 32 positions) would not fit MX blocks
-    or NVFP4's tiles; the whole contraction keeps the program's precision instead of failing."""
+def test_outer_product_and_its_gradients_keep_the_program(name, rotary):
+    """Rotary embeddings' positions times frequencies sums over nothing, written as an einsum with
+    no summed axis or as a matmul whose summed axis has length 1: no linear layer's GEMM. Its
+    gradients (sums over 16 frequencies, over 32 positions) would not fit MX blocks or NVFP4's
+    tiles; the whole contraction keeps the program's precision instead of failing."""
 
     def f(pos, freq):
-        return jnp.sum(jnp.sin(jnp.einsum("bi,j->bij", pos, freq)) ** 2)
+        return jnp.sum(jnp.sin(rotary(pos, freq)) ** 2)
 
     pos, freq = jnp.arange(32.0)[None] / 7.0, jnp.linspace(0.1, 1.0, 16)
     want = jax.value_and_grad(f, argnums=(0, 1))(pos, freq)

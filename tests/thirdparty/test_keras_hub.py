@@ -1,8 +1,9 @@
 """KerasHub's model code, unchanged, under scalify (scripts/run_keras_hub_models.py).
 
-KerasHub's task models (Gemma, Gemma 3, Llama 3, Mistral, Qwen 3, Phi-3, GPT-2, BLOOM's ALiBi,
-Falcon, RWKV-7's recurrence, the Mixtral, Qwen3-MoE and gpt-oss mixtures of experts, BERT, DeBERTa-v3's
-relative positions, F-Net's Fourier mixing, ViT, ResNet, DenseNet) at tiny configurations, called through
+KerasHub's task models (Gemma, Gemma 3, Llama 3, Mistral, Qwen 3, Phi-3, GPT-2, GPT-NeoX, SmolLM3,
+BLOOM's ALiBi, Falcon, RWKV-7's recurrence, the Mixtral, Qwen3-MoE, Qwen-MoE and gpt-oss mixtures of
+experts, BERT, ALBERT, DeBERTa-v3's relative positions, F-Net's Fourier mixing, ViT, Swin, MiT,
+ResNet, DenseNet, EfficientNet, MobileNet, Xception) at tiny configurations, called through
 ``stateless_call``: loss, gradient and an Adam update in a scaled format against the same program in
 float32 on the dequantized weights (the third-party harness's check and tolerance).
 
@@ -48,6 +49,15 @@ ROTATION = {
     "vit": "mxfp8",
     "resnet": "int8_per_channel",
     "densenet": "mxfp4",
+    "gpt_neo_x": "fp8_e4m3",
+    "smollm3": "nvfp4",
+    "qwen_moe": "mxfp4",
+    "albert": "fp16",
+    "swin": "mxfp8",
+    "mit": "int8_per_channel",
+    "efficientnet": "nvfp4",
+    "mobilenet": "mxfp8",
+    "xception": "int8_per_channel",
 }
 # Run by the script only (docs/examples.md has its results): Qwen 3.5's gated delta rule compiles for
 # minutes per format on two cores, more than this lane's budget allows for one model.
