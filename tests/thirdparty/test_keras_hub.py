@@ -10,9 +10,10 @@ float32 on the dequantized weights (the third-party harness's check and toleranc
 The script downloads the keras-hub wheel (``pip download --no-deps``: its tensorflow-text dependency
 serves tokenizers no model call touches), so this needs PyPI, as the install CI runs first does.
 
-Every model but Qwen 3.5 (``SCRIPT_ONLY``) runs in one format, and the formats rotate so that each family meets several
-architectures: the fast lane runs Gemma in MXFP8, the slow lane the rest, and four models in four runs under
-``scalify.recipes.apply`` (the script's ``--recipes``). ``docs/examples.md`` has the full tables
+Every model but Qwen 3.5, Swin and MiT (``SCRIPT_ONLY``) runs in one format, and the formats rotate so
+that each family meets several architectures: the fast lane runs Gemma in MXFP8, the slow lane the rest,
+four models under ``scalify.recipes.apply`` (the script's ``--recipes``) and Mixtral's routing diagnosis.
+``docs/examples.md`` has the full tables
 from the script.
 """
 
@@ -53,15 +54,14 @@ ROTATION = {
     "smollm3": "nvfp4",
     "qwen_moe": "mxfp4",
     "albert": "fp16",
-    "swin": "mxfp8",
-    "mit": "int8_per_channel",
     "efficientnet": "nvfp4",
     "mobilenet": "mxfp8",
     "xception": "int8_per_channel",
 }
-# Run by the script only (docs/examples.md has its results): Qwen 3.5's gated delta rule compiles for
-# minutes per format on two cores, more than this lane's budget allows for one model.
-SCRIPT_ONLY = ("qwen3_5",)
+# Run by the script only (docs/examples.md has their results): Qwen 3.5's gated delta rule compiles for
+# minutes per format on two cores, more than this lane's budget allows for one model; Swin and MiT took
+# 165 s and 151 s in this lane (every family ok through the script) and are left out to keep CI's margin.
+SCRIPT_ONLY = ("qwen3_5", "swin", "mit")
 FAST = ("gemma",)
 
 
