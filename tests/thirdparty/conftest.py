@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from thirdparty_harness import COVERED_BY_FAMILY, FORMAT_NAMES
+from thirdparty_harness import COVERED_BY_FAMILY, FORMAT_NAMES, runs_step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,3 +26,16 @@ def fmt_name(request):
     """Every registered format (``qf.list_formats()``), so a newly registered one is tested too;
     built-ins whose family has a representative run in the slow lane (thirdparty_harness.py)."""
     return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselects the step tests that :data:`thirdparty_harness.STEP_ROTATION` gives to other suites."""
+    keep, drop = [], []
+    for item in items:
+        fmt_name = getattr(item, "callspec", None) and item.callspec.params.get("fmt_name")
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        ok = not fmt_name or runs_step(module, item.originalname, fmt_name)
+        (keep if ok else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
