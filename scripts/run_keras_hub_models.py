@@ -5,6 +5,7 @@
     python scripts/run_keras_hub_models.py --only gemma,mixtral --formats all --markdown
     python scripts/run_keras_hub_models.py --recipes all      # scalify.recipes.apply instead of scalify
     python scripts/run_keras_hub_models.py --recipes mxfp8 --only gpt_oss --high-precision-scopes router
+    python scripts/run_keras_hub_models.py --recipes nvfp4 --only smollm3 --weights-only   # linear layers only
 
 The models are KerasHub's own task models (``GemmaCausalLM``, ``Llama3CausalLM``, ``MixtralCausalLM``,
 ``BertClassifier``, ``ResNetImageClassifier``, ...): Google's Keras team's implementations of the
@@ -304,36 +305,43 @@ def check_recipe(case: Case, recipe) -> tuple[str, str]:
 
 
 def _recipes_arg(argv):
-    """``(recipe names or None, scopes kept in high precision, the other arguments)``:
-    ``--recipes all|a,b`` switches to recipe runs, ``--high-precision-scopes a,b`` sets every
-    recipe's ``high_precision_scopes``."""
+    """``(recipe names or None, options for :func:`recipe`, the other arguments)``: ``--recipes
+    all|a,b`` switches to recipe runs, ``--high-precision-scopes a,b`` sets every recipe's
+    ``high_precision_scopes``, ``--weights-only`` its ``weights_only``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     value = pop_option(argv, "--recipes", "'all' or comma-separated built-in recipe names")
     scopes = pop_option(argv, "--high-precision-scopes", "comma-separated jax.named_scope names")
+    weights_only = "--weights-only" in argv
+    if weights_only:
+        argv.remove("--weights-only")
     if value is None:
-        if scopes is not None:
-            raise SystemExit("--high-precision-scopes applies to recipe runs: add --recipes")
-        return None, (), argv
+        if scopes is not None or weights_only:
+            raise SystemExit("--high-precision-scopes and --weights-only apply to recipe runs: add --recipes")
+        return None, {}, argv
     from scalify import recipes
 
     names = ["high", *sorted(recipes.BUILTINS)] if value == "all" else value.split(",")
     unknown = [n for n in names if n != "high" and n not in recipes.BUILTINS]
     if unknown:
         raise SystemExit(f"unknown recipe(s) {unknown}; choose from {sorted(recipes.BUILTINS)}, 'high' or 'all'")
-    return names, tuple(scopes.split(",")) if scopes else (), argv
+    options = {"high_precision_scopes": tuple(scopes.split(",")) if scopes else (), "weights_only": weights_only}
+    return names, options, argv
 
 
-def recipe(name, high_precision_scopes=()):
+def recipe(name, high_precision_scopes=(), weights_only=False):
     """A built-in recipe by name, or ``"high"`` (every role in high precision), keeping the
-    contractions under ``high_precision_scopes`` in the program's precision."""
+    contractions under ``high_precision_scopes`` (and, with ``weights_only``, every product of two
+    activations) in the program's precision."""
     from scalify import recipes
 
     r = recipes.Recipe.uniform("high", None) if name == "high" else recipes.BUILTINS[name]
-    return r.replace(high_precision_scopes=r.high_precision_scopes + tuple(high_precision_scopes))
+    return r.replace(
+        high_precision_scopes=r.high_precision_scopes + tuple(high_precision_scopes), weights_only=weights_only
+    )
 
 
 def main(argv=None) -> int:
-    recipe_names, scopes, argv = _recipes_arg(argv)
+    recipe_names, options, argv = _recipes_arg(argv)
     args, names, formats = parse_cli(__doc__, MODELS, "keras-hub", argv)
     with tempfile.TemporaryDirectory(prefix="keras_hub_") as tmp:
         root = args.source.resolve() if args.source else fetch_keras_hub(Path(tmp))
@@ -344,7 +352,7 @@ def main(argv=None) -> int:
             case = build(hub, name, seq=RECIPE_SEQ if recipe_names else SEQ)
             for column in recipe_names or formats:
                 if recipe_names:
-                    label, (outcome, detail) = column, check_recipe(case, recipe(column, scopes))
+                    label, (outcome, detail) = column, check_recipe(case, recipe(column, **options))
                 else:
                     label, (outcome, detail) = column.name, check(case, column)
                 rows.append((name, label, outcome, detail))

@@ -4,7 +4,7 @@ Every floating ``dot_general`` and ``conv_general_dilated`` of ``fn`` (inside ne
 ``scan``, ``while``, ``cond``, ``checkpoint`` and custom derivative rules too) is replaced by
 :func:`scalify.recipes._gemm.recipe_contraction`, whose custom VJP runs the backward GEMMs under
 the recipe. Contractions under ``amp_stop`` or a scope named in ``recipe.high_precision_scopes``
-keep the program's precision.
+keep the program's precision, and so do products of two activations under ``recipe.weights_only``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class RecipeContraction(BindRule):
     def bind(self, primitive, invals, params, out_avals, scopes=(), sources=()):
         x, w = invals
         if not (_is_float(x) and _is_float(w)):
+            return [primitive.bind(x, w, **params)]
+        if self.recipe.weights_only and sources and 1 not in sources:
+            # No operand is a weight (both mix inputs, or one is a constant): not a linear layer.
             return [primitive.bind(x, w, **params)]
         if primitive is lax.dot_general_p and tuple(sources) == (1, 2) and params.get("out_sharding") is None:
             # The weight came first (jnp.einsum orders operands as it finds cheapest): bind the

@@ -59,6 +59,10 @@ class Recipe:
         their contracted (M) axis before quantization, or ``None``.
       high_precision_scopes: ``jax.named_scope`` names inside which contractions stay in the
         program's precision (for example an LM head).
+      weights_only: if true, only contractions with a weight operand (one computed from a single
+        input of the applied function) follow the recipe; a product of two activations
+        (attention's scores and weighted values) keeps the program's precision, as torchao's and
+        Transformer Engine's linear-layer swaps leave it.
       seed: seeds the stochastic rounding (with each GEMM's position and its operand's bits).
 
     Build variants with :meth:`replace`, e.g. ``MXFP8.replace(wgrad_lhs=None, wgrad_rhs=None)``.
@@ -76,6 +80,7 @@ class Recipe:
     wgrad_hadamard: qf.RandomHadamard | None = None
     high_precision_scopes: tuple = attrs.field(default=(), converter=tuple)
     seed: int = 0
+    weights_only: bool = attrs.field(default=False, converter=bool)
 
     def __attrs_post_init__(self):
         for role in self.stochastic_rounding:

@@ -125,6 +125,33 @@ def test_scope_exclusion_equals_a_recipe_without_that_gemm():
     np.testing.assert_allclose(g["w2"], dw2, rtol=1e-5, atol=1e-8)
 
 
+def _attention_loss(params, x, matmul=jnp.matmul):
+    """One attention head: projections by ``matmul``, then scores and weighted values."""
+    q, k, v = (matmul(x, params[n]) for n in ("wq", "wk", "wv"))
+    p = jax.nn.softmax(jnp.einsum("qd,kd->qk", q, k) / 8.0, axis=-1)
+    return jnp.mean(matmul(p @ v, params["wo"]) ** 2)
+
+
+ATTENTION = {n: _data((64, 64), 40 + i, 0.2) for i, n in enumerate(("wq", "wk", "wv"))}
+ATTENTION["wo"] = _data((64, 32), 44, 0.2)
+
+
+def test_weights_only_keeps_products_of_two_activations():
+    """Under ``weights_only`` the four projections run under the recipe and the two products of
+    activations (scores, weighted values) in float32: value and gradients equal the program whose
+    projections alone are applied GEMMs. Without it the products are quantized too."""
+    r = recipes.MXFP8.replace(weights_only=True)
+    linear = recipes.apply(jnp.matmul, recipes.MXFP8)
+    want_value, want_grad = jax.value_and_grad(lambda p, x: _attention_loss(p, x, linear))(ATTENTION, X)
+    value, grad = jax.value_and_grad(recipes.apply(_attention_loss, r))(ATTENTION, X)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for n in ATTENTION:
+        np.testing.assert_allclose(grad[n], want_grad[n], rtol=1e-5, atol=1e-6 * np.abs(want_grad[n]).max(), err_msg=n)
+    every_value, every_grad = jax.value_and_grad(recipes.apply(_attention_loss, recipes.MXFP8))(ATTENTION, X)
+    assert float(every_value) != float(value)
+    assert not np.allclose(every_grad["wq"], grad["wq"], rtol=1e-5)
+
+
 def test_program_dtypes_are_kept_and_integer_dots_untouched():
     xb, wb = jnp.asarray(X, jnp.bfloat16), jnp.asarray(PARAMS["w1"], jnp.bfloat16)
     y = recipes.apply(lambda x, w: x @ w, recipes.FLOAT8_TENSORWISE)(xb, wb)

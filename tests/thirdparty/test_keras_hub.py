@@ -94,23 +94,28 @@ def test_keras_hub_model_trains_unchanged(hub, model, fmt_name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "recipe", "scopes"),
+    ("model", "recipe", "options"),
     [
-        ("gemma", "mxfp8", ()),
-        ("mixtral", "float8_rowwise", ()),
-        ("llama3", "high", ()),
-        ("gpt_oss", "mxfp8", ("router",)),
+        ("gemma", "mxfp8", {}),
+        ("mixtral", "float8_rowwise", {"weights_only": True}),
+        ("llama3", "high", {}),
+        ("gpt_oss", "mxfp8", {"high_precision_scopes": ("router",)}),
+        ("smollm3", "nvfp4", {"high_precision_scopes": ("self_attn",)}),
     ],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None,
 )
-def test_keras_hub_model_under_a_recipe(hub, model, recipe, scopes):
+def test_keras_hub_model_under_a_recipe(hub, model, recipe, options):
     """``recipes.apply`` on the unchanged loss at 32 tokens: Gemma's rotary outer products and
-    grouped-query scores in MXFP8, Mixtral's router and experts in row-wise float8, gpt-oss in MXFP8
-    with its 4-expert router (which MX blocks refuse) kept in high precision by scope; ``high``
-    reproduces float32. (Llama under NVFP4, 52 s here, is run by the script; the fast lane's
+    grouped-query scores in MXFP8, Mixtral's router and experts (bound weight first) in row-wise
+    float8 on its linear layers only (``weights_only``: attention's products in float32), gpt-oss
+    in MXFP8 with its 4-expert router (which MX blocks refuse) kept in high precision by scope;
+    SmolLM3 under NVFP4 with its attention kept (below the floor otherwise: docs/examples.md);
+    ``high`` reproduces float32. (Llama under NVFP4, 52 s here, is run by the
+    script; the fast lane's
     ``test_hadamard_rotates_the_merged_tokens_when_the_last_summed_axis_is_short`` holds its fix.)"""
     case = runner.build(hub, model, seq=runner.RECIPE_SEQ)
-    outcome, detail = runner.check_recipe(case, runner.recipe(recipe, scopes))
-    assert outcome == "ok", f"{model} under {recipe} (scopes {scopes}): {outcome} {detail}"
+    outcome, detail = runner.check_recipe(case, runner.recipe(recipe, **options))
+    assert outcome == "ok", f"{model} under {recipe} ({options}): {outcome} {detail}"
 
 
 @pytest.mark.slow
