@@ -33,8 +33,7 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         fmt_name = getattr(item, "callspec", None) and item.callspec.params.get("fmt_name")
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        ok = not fmt_name or runs_step(module, item.originalname, fmt_name)
+        ok = not fmt_name or runs_step(item.module.__name__.rpartition(".")[2], item.originalname, fmt_name)
         (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
