@@ -7,7 +7,8 @@ serves stand-ins for tensorflow through an import hook that must not reach other
 The three examples: the Transformer LM (dropout, ``clip_by_global_norm`` + Adam), the LSTM
 character LM (``hk.dynamic_unroll``), and the ResNet v2 with BatchNorm state, jmp's dynamic loss
 scale and ``pmap``; the Transformer in MXFP8, the LSTM and the ResNet in the per-channel integer
-format (the script runs every pair). ``docs/examples.md`` has the full table from the script, at ResNet-50's depth.
+format (the script runs every pair). ``docs/examples.md`` has the full table from the script, at
+ResNet-50's depth.
 """
 
 from __future__ import annotations

@@ -110,9 +110,8 @@ def test_keras_hub_model_under_a_recipe(hub, model, recipe, options):
     float8 on its linear layers only (``weights_only``: attention's products in float32), gpt-oss
     in MXFP8 with its 4-expert router (which MX blocks refuse) kept in high precision by scope;
     SmolLM3 under NVFP4 with its attention kept (below the floor otherwise: docs/examples.md);
-    ``high`` reproduces float32. (Llama under NVFP4, 52 s here, is run by the
-    script; the fast lane's
-    ``test_hadamard_rotates_the_merged_tokens_when_the_last_summed_axis_is_short`` holds its fix.)"""
+    ``high`` reproduces float32. (Llama under NVFP4, 52 s here, is run by the script; the fast
+    lane's ``test_hadamard_rotates_the_merged_tokens_when_the_last_summed_axis_is_short`` holds its fix.)"""
     case = runner.build(hub, model, seq=runner.RECIPE_SEQ)
     outcome, detail = runner.check_recipe(case, runner.recipe(recipe, **options))
     assert outcome == "ok", f"{model} under {recipe} ({options}): {outcome} {detail}"
