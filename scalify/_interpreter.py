@@ -7,6 +7,7 @@ primitive that creates ScaledArrays), carriers in, sealed scales out, fills and 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import jax
@@ -33,7 +34,7 @@ from scalify._rules_common import (
     static_operand,
     static_scalar,
 )
-from scalify._scaled_array import ScaledArray, is_scaled_leaf, split_leaves
+from scalify._scaled_array import ScaledArray, is_scaled_leaf, split_leaves, split_outputs
 
 _ALWAYS_CACHE: dict[int, tuple[object, bool]] = {}
 
@@ -182,6 +183,10 @@ def _note_fill(eqn, invals, outs):
             note_fill(outs[0], float(np.asarray(out, dtype)))
 
 
+# The primitives whose implementation is being walked (see ``_Scalify.through_impl``).
+_EXPANDING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("scalify_expanding", default=frozenset())
+
+
 class _Scalify(_walk.Walk):
     """scalify's walk: one evaluation of a (sub-)jaxpr, with the scales it has sealed."""
 
@@ -209,7 +214,10 @@ class _Scalify(_walk.Walk):
             return outs
         rule = RULES.get(eqn.primitive)
         if rule is None:
-            raise unsupported(eqn, invals)
+            outs = self.through_impl(eqn, invals)
+            if outs is None:
+                raise unsupported(eqn, invals)
+            return outs
         args = invals if rule.raw else [decoded(x) if isinstance(x, ScaledArray) else x for x in invals]
         outs = rule.fn(eqn, *args)
         if not eqn.primitive.multiple_results:
@@ -222,6 +230,28 @@ class _Scalify(_walk.Walk):
         if self.keep:
             outs = _maybe_keep_format(rule, invals, list(outs))
         return outs
+
+    def through_impl(self, eqn, invals):
+        """The outputs of a primitive without a rule whose implementation is JAX code (a library's
+        own primitive, such as the ``maybe_set`` of equinox's loops in diffrax's solvers): the
+        jaxpr of ``primitive.impl`` is walked with the rules, as the primitive's own definition of
+        what it computes. None when the implementation is no such code (JAX's primitives bind
+        themselves; an implementation may also fail to trace)."""
+        prim = eqn.primitive
+        expanding = _EXPANDING.get()
+        if prim in expanding:
+            return None  # the implementation binds the primitive itself (directly or in a nested jit)
+        logical = [jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, ScaledArray) else x for x in invals]
+        try:
+            closed = jax.make_jaxpr(lambda *a: prim.impl(*a, **eqn.params))(*logical)
+        except Exception:  # any failure means: no implementation to walk
+            return None
+        token = _EXPANDING.set(expanding | {prim})
+        try:
+            outs = self.eval(closed.jaxpr, closed.consts, list(invals))
+        finally:
+            _EXPANDING.reset(token)
+        return outs if prim.multiple_results else outs[:1]
 
     def describe(self, x) -> str:
         return describe(x)
@@ -293,17 +323,16 @@ def scalify(fun):
             a, k = rebuild(flat)
             return fun(*a, **k)
 
+        traced, rebuild_out = split_outputs(flat_fun)
         if not any(isinstance(x, ScaledArray) for x in leaves):
             # Plain inputs: behave like `fun`, unless it creates ScaledArrays (scalify.ops.quantize).
-            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*leaves)
+            closed = jax.make_jaxpr(traced)(*leaves)
             if not _contains_always(closed):
                 # As the traced program would (and jax-scalify does): NumPy inputs are computed by JAX.
                 a, k = jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray) else v, (args, kwargs))
                 return fun(*a, **k)
         else:
-            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[_abstract(x) for x in leaves])
-        out_tree = jax.tree.structure(out_shape)
-        outs = _Program(leaves, closed.jaxpr.outvars).run(closed, leaves)
-        return jax.tree.unflatten(out_tree, outs)
+            closed = jax.make_jaxpr(traced)(*[_abstract(x) for x in leaves])
+        return rebuild_out(_Program(leaves, closed.jaxpr.outvars).run(closed, leaves))
 
     return wrapped

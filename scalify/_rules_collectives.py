@@ -1,6 +1,10 @@
 """Scalify rules for the collectives of ``shard_map``: psum, pmax, pmin, all_gather, ppermute,
 all_to_all, psum_scatter (and the ``pvary`` casts that ``check_vma`` inserts).
 
+A psum, pmax or pmin over an axis that ``jax.vmap(..., axis_name=...)`` binds (a BatchNorm's
+batch statistics) reaches the jaxpr as the same collective over a *positional* axis: that part is
+the array reduction it stands for, and runs under the reduction's own rule.
+
 Shards of one logical value may carry *different* scales (each shard quantized on its own), so a
 reduction first agrees on a common scale: ``common = pmax(scale)`` over the reduced mesh axes
 (elementwise over a block grid, a few bytes), every shard rescales its data to it, then the data is
@@ -91,6 +95,26 @@ def _common_scale(scale, axes, groups):
     return safe_scale(lax.pmax(scale, axes, axis_index_groups=groups))
 
 
+def _positional(eqn, reduce, xs):
+    """``(xs, named)``: each scaled ``x`` reduced over the positional axes of ``eqn``'s ``axes`` by
+    ``reduce`` (``jnp.sum``, ``jnp.max``, ``jnp.min``) under scalify's own rules, and the mesh axes
+    left to reduce across shards. (vmap's batching rule turns a named axis that it binds into the
+    positional axis it maps, in the collective's ``axes``.)"""
+    from scalify._interpreter import eval_closed  # the rule modules load with the interpreter
+
+    axes = _axes(eqn.params["axes"])
+    pos = tuple(a for a in axes if isinstance(a, int))
+    if pos:
+        aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        xs = [
+            eval_closed(jax.make_jaxpr(lambda v: reduce(v, axis=pos))(aval(x)), x)[0]
+            if isinstance(x, ScaledArray)
+            else x
+            for x in xs
+        ]
+    return xs, tuple(a for a in axes if not isinstance(a, int)), pos
+
+
 def _psum_one(x, axes, groups):
     if not isinstance(x, ScaledArray):
         return lax.psum(x, axes, axis_index_groups=groups)
@@ -107,24 +131,29 @@ def _psum_one(x, axes, groups):
     "data pre-scaled by 2^-k ~ 1/sqrt(n) and summed; scale * 2^k. Output carrier.",
 )
 def _psum(eqn, *xs):
-    axes = _axes(eqn.params["axes"])
+    xs, named, pos = _positional(eqn, jnp.sum, xs)
     groups = eqn.params.get("axis_index_groups")
-    return _outs(eqn, [_psum_one(x, axes, groups) for x in xs])
+    return _outs(eqn, [_reduce_rest(lax.psum, x, named, pos, groups, _psum_one) for x in xs])
 
 
-def _extremum(op):
+def _reduce_rest(op, x, named, pos, groups, scaled):
+    """The collective over the ``named`` axes of ``x`` (whose positional axes ``pos`` a scaled ``x``
+    has already been reduced over): ``scaled(x, named, groups)`` for a ScaledArray."""
+    if not isinstance(x, ScaledArray):
+        return op(x, (*pos, *named), axis_index_groups=groups) if pos or named else x
+    return scaled(x, named, groups) if named else x
+
+
+def _extremum(op, reduce):
+    def scaled(x, axes, groups):
+        common = _common_scale(x.scale, axes, groups)
+        data = rescale(x.data, x.scale / common)
+        return ScaledArray(op(data, axes, axis_index_groups=groups), common)
+
     def rule(eqn, *xs):
-        axes = _axes(eqn.params["axes"])
+        xs, named, pos = _positional(eqn, reduce, xs)
         groups = eqn.params.get("axis_index_groups")
-        outs = []
-        for x in xs:
-            if not isinstance(x, ScaledArray):
-                outs.append(op(x, axes, axis_index_groups=groups))
-                continue
-            common = _common_scale(x.scale, axes, groups)
-            data = rescale(x.data, x.scale / common)
-            outs.append(ScaledArray(op(data, axes, axis_index_groups=groups), common))
-        return _outs(eqn, outs)
+        return _outs(eqn, [_reduce_rest(op, x, named, pos, groups, scaled) for x in xs])
 
     return rule
 
@@ -133,12 +162,12 @@ register_rule(
     _present(pmax_p),
     "commuting",
     "shards rescale to the common scale pmax(scale), then pmax of data (scales are positive). Carrier.",
-)(_extremum(lax.pmax))
+)(_extremum(lax.pmax, jnp.max))
 register_rule(
     _present(pmin_p),
     "commuting",
     "shards rescale to the common scale pmax(scale), then pmin of data. Carrier.",
-)(_extremum(lax.pmin))
+)(_extremum(lax.pmin, jnp.min))
 
 
 # -- data movement ---------------------------------------------------------------------------------

@@ -99,6 +99,16 @@ class ScaledArray:
         # Convert straight to `dtype`: a float16 array with a large scale is finite in float32.
         return np.asarray(self.to_array(dtype))
 
+    def item(self, *args):
+        """One element's value as a Python scalar, as ``np.ndarray.item`` (a step's ``loss.item()``)."""
+        return np.asarray(self).item(*args)
+
+    def __float__(self):
+        return float(np.asarray(self))
+
+    def __int__(self):
+        return int(np.asarray(self))
+
     def astype(self, dtype) -> ScaledArray:
         """The same value with logical dtype ``dtype`` (a floating dtype); the scale is unchanged.
 
@@ -121,8 +131,27 @@ class ScaledArray:
             return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r}, fmt={self.fmt.name})"
 
-    # Arithmetic outside scalify is deliberately not provided: wrap the computation in
-    # `scalify.scalify` or call `to_array()`.
+    # Arithmetic outside scalify is deliberately not provided (no silent dequantization): the
+    # operators raise an error that says so (see `_outside_scalify`).
+
+
+def _outside_scalify(name):
+    def op(self, *args):
+        raise TypeError(
+            f"ScaledArray has no arithmetic outside scalify ({name}): run the computation under "
+            "scalify.scalify (e.g. jax.jit(scalify.scalify(f))(...)), where every operation keeps "
+            "the scales, or take the value as a plain array with x.to_array()."
+        )
+
+    op.__name__ = name
+    return op
+
+
+for _name in (
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __floordiv__ "
+    "__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ __neg__ __pos__ __abs__"
+).split():
+    setattr(ScaledArray, _name, _outside_scalify(_name))
 
 
 def is_scaled_leaf(x) -> bool:
@@ -151,6 +180,37 @@ def split_leaves(tree, keep=is_traced_leaf, is_leaf=None):
         return treedef.unflatten(full)
 
     return [leaves[i] for i in idx], rebuild
+
+
+def is_array_leaf(x) -> bool:
+    """Whether an output leaf is an array (traced), not a Python object that a function returns
+    beside them (an ``eqx.Module``'s activation function, name or ``inference`` flag)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def split_outputs(fn):
+    """``(traced, rebuild)``: ``traced(*args)`` returns the arrays among the leaves of ``fn(*args)``
+    (what ``jax.make_jaxpr`` traces), and ``rebuild(values)`` puts values for them back into that
+    output, every other leaf (a Python number, a string, a function) as ``fn`` returned it.
+
+    As ``eqx.filter_jit`` does: a step that returns its ``eqx.Module`` (activation functions,
+    names, a BatchNorm's ``inference`` flag) runs under ``eqx.filter_jit(scalify(step))`` and
+    returns them as they were, not as arrays. ``jax.jit`` turns a returned number into an array
+    and rejects other objects, with or without scalify.
+    """
+    box = []
+
+    def traced(*args):
+        leaves, treedef = jax.tree.flatten(fn(*args))
+        box[:] = [treedef, leaves]
+        return [x for x in leaves if is_array_leaf(x)]
+
+    def rebuild(values):
+        treedef, leaves = box
+        values = iter(values)
+        return treedef.unflatten([next(values) if is_array_leaf(x) else x for x in leaves])
+
+    return traced, rebuild
 
 
 def cast(x, dtype):

@@ -42,7 +42,10 @@ operands unconverted (so formats reach the nested body).
   output shape fits the layout).
 * Nonlinear rules with unbounded output re-quantize to a per-tensor carrier whose scale is the
   output's absolute max rounded to a power of two: values never overflow the carrier dtype.
-* Primitives with no rule raise `ScalifyUnsupportedError` naming the primitive and the operand
+* A primitive with no rule that a library defines with an implementation in JAX code
+  (`Primitive.def_impl`; equinox's `maybe_set`, which diffrax's solvers write their outputs with)
+  runs through that implementation: its jaxpr is walked with the rules.
+* Other primitives with no rule raise `ScalifyUnsupportedError` naming the primitive and the operand
   formats when they receive a scaled operand; `scalify.ops.dequantize(x)` is the explicit way out.
   Plain operands always bind the primitive unchanged.
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from scalify import _jax_compat as jc
 from scalify import _walk
 from scalify._in_place import holds_graph_nodes, lift_in_place
-from scalify._scaled_array import split_leaves
+from scalify._scaled_array import split_leaves, split_outputs
 from scalify.amp import _sources
 from scalify.amp._policy import (
     BindRule,
@@ -201,11 +201,11 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
             a, k = rebuild(flat)
             return fn(*a, **k)
 
+        traced, rebuild_out = split_outputs(flat_fn)
         scopes = tuple(jc.scope_names(jc.current_name_stack()))
         with jc.fresh_name_stack():
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-        outs = eval_jaxpr(ctx.for_one_call(), closed, dyn, scopes)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+            closed = jax.make_jaxpr(traced)(*dyn)
+        return rebuild_out(eval_jaxpr(ctx.for_one_call(), closed, dyn, scopes))
 
     return amp_fn
 

@@ -191,16 +191,22 @@ def _through(view: _View | None, fn, x):
 def rotate(hadamard, x, aim: _Aim):
     """``x`` with ``hadamard``'s blocks applied along the GEMM's summed index.
 
-    Along the last summed axis where it holds whole blocks; otherwise along the merged summed axes
-    of the GEMM view (:func:`_gemm_view`), e.g. 32 tokens x 1 query group in grouped-query attention.
-    Both weight-gradient operands take the same branch, as their summed axes pair up in order with
-    equal lengths, so ``sum_k (H dy)_k (H x)_k = sum_k dy_k x_k`` holds blockwise (``H`` orthogonal).
+    Along the last summed axis where it holds whole blocks; otherwise along the summed axes merged
+    into one, e.g. 32 tokens x 1 query group in grouped-query attention. Both weight-gradient
+    operands take the same branch, as their summed axes pair up in order with equal lengths, so
+    ``sum_k (H dy)_k (H x)_k = sum_k dy_k x_k`` holds blockwise (``H`` orthogonal).
+
+    The merged axis comes first, as the token axis of a 2-D layer's operand (tokens x features):
+    the transform is then the same dot as that layer's, bit for bit. (Along a transposed view the
+    dot summed in another order on some CPUs: one float32 ulp apart.)
     """
     axis = aim.contracted[-1]
     if x.shape[axis] % hadamard.size == 0 or len(aim.contracted) < 2:
         return hadamard.apply(x, axis)
-    view, view_aim = _gemm_view(aim, x.shape)
-    return _through(view, lambda v: hadamard.apply(v, view_aim.contracted[-1]), x)
+    perm = (*aim.contracted, *(a for a in range(x.ndim) if a not in aim.contracted))
+    summed = math.prod(x.shape[a] for a in aim.contracted)
+    view = _View(perm, (summed, x.size // summed))
+    return _through(view, lambda v: hadamard.apply(v, 0), x)
 
 
 _OPERAND = {"fwd_lhs": "x", "fwd_rhs": "w", "dgrad_lhs": "dy", "dgrad_rhs": "w", "wgrad_lhs": "dy", "wgrad_rhs": "x"}

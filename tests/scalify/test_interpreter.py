@@ -72,6 +72,87 @@ def test_static_arguments_reach_fun_as_they_are(fmt_name):
     np.testing.assert_allclose(np.asarray(rows), np.asarray(want_rows), rtol=1e-6)
 
 
+@pytest.mark.parametrize("transform", ["scalify", "amp"])
+def test_python_objects_in_the_output_come_back_as_they_are(transform):
+    """A step that returns its ``eqx.Module`` returns its activation function, names and flags with
+    the arrays; ``eqx.filter_jit`` passes them through, so scalify (and amp) must too (they failed:
+    ``make_jaxpr`` rejects a ``str`` output). Numbers are not traced either: a Python ``bool``
+    flag came back as a traced array, and equinox's BatchNorm then branched on a tracer."""
+
+    def step(x):
+        return {"y": jnp.tanh(x) * 2.0, "act": jax.nn.relu, "name": "batch", "flag": False, "n": 3, "none": None}
+
+    wrap = jsa.scalify if transform == "scalify" else jsa.amp.amp
+    x = make_scaled(X, FORMATS["mxfp8"]) if transform == "scalify" else X
+    out = wrap(step)(x)
+    assert out["act"] is jax.nn.relu and out["name"] == "batch" and out["flag"] is False and out["n"] == 3
+    assert out["none"] is None
+    np.testing.assert_allclose(np.asarray(out["y"]), np.tanh(np.asarray(x, np.float32)) * 2.0, rtol=1e-6)
+    # Under jax.jit an object output stays an error, with or without scalify, as JAX reports it.
+    with pytest.raises(TypeError, match="not a valid JAX type"):
+        jax.jit(wrap(step))(x)
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])
+def test_collectives_over_a_vmap_axis_name(fmt_name):
+    """``jax.vmap(f, axis_name="batch")`` with ``pmean`` / ``pmax`` / ``pmin`` over that name (batch
+    statistics, as equinox's and flax's BatchNorm compute them) reaches the jaxpr as the collective
+    over a positional axis: it is the array reduction over that axis (it failed: the rule took
+    every axis for a mesh axis)."""
+
+    def f(x):
+        def row(v):
+            mean = jax.lax.pmean(jnp.mean(v), "batch")
+            return (v - mean) * jax.lax.pmax(jnp.max(v), "batch") + jax.lax.pmin(v, "batch")
+
+        return jax.vmap(row, axis_name="batch")(x)
+
+    check_against_dequantized(f, make_scaled(X, FORMATS[fmt_name]))
+
+
+def test_scalar_outputs_convert_to_python_numbers():
+    """A step's loss comes back as a 0-d ScaledArray: ``loss.item()`` and ``float(loss)`` give its
+    value (equinox's train_rnn prints ``loss.item()``); arithmetic on it outside scalify is an error
+    that names the fix."""
+    loss = jax.jit(jsa.scalify(lambda x: jnp.mean(x**2)))(make_scaled(X, FORMATS["mxfp8"]))
+    want = float(np.mean(np.asarray(make_scaled(X, FORMATS["mxfp8"]), np.float32).astype(np.float64) ** 2))
+    assert isinstance(loss, jsa.ScaledArray)
+    assert loss.item() == pytest.approx(want, rel=1e-6) and float(loss) == pytest.approx(want, rel=1e-6)
+    assert int(jsa.as_scaled_array(jnp.float32(3.75))) == 3
+    for op in (lambda v: 0 + v, lambda v: v / 2, lambda v: -v, lambda v: v @ v, lambda v: np.ones(()) * v):
+        with pytest.raises(TypeError, match=r"no arithmetic outside scalify .*scalify\.scalify.*to_array"):
+            op(loss)
+
+
+def _library_primitive():
+    """A primitive as a library defines one (equinox's ``maybe_set`` in its loops): an
+    implementation in jnp, an abstract evaluation, no scalify rule."""
+    from jax.extend.core import Primitive
+
+    prim = Primitive("library_axpy")
+    prim.def_impl(lambda a, x, y: a * x + jnp.tanh(y))
+    prim.def_abstract_eval(lambda a, x, y: jax.core.ShapedArray(x.shape, x.dtype))
+    return prim
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "mxfp8"])
+def test_a_library_primitive_runs_through_its_implementation(fmt_name):
+    """diffrax's solvers write their outputs with equinox's ``maybe_set`` primitive, which has no
+    scalify rule: its implementation (JAX code) is walked with the rules instead."""
+    prim = _library_primitive()
+    f = lambda x, y: prim.bind(jnp.float32(3.0), x, y) * 2.0
+    check_against_dequantized(lambda x: f(x, x + 1.0), make_scaled(X, FORMATS[fmt_name]))
+
+
+def test_a_primitive_without_implementation_still_names_the_fix():
+    from jax.extend.core import Primitive
+
+    prim = Primitive("opaque_op")  # no def_impl: nothing to walk
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    with pytest.raises(jsa.ScalifyUnsupportedError, match=r"no rule for primitive `opaque_op`.*register_rule"):
+        jax.jit(jsa.scalify(prim.bind))(make_scaled(X, FORMATS["mxfp8"]))
+
+
 @pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])
 def test_nested_jit_cond_while_scan_remat(fmt_name):
     sx = make_scaled(X, FORMATS[fmt_name])

@@ -117,3 +117,68 @@ def test_grad(case, fmt_name):
 @pytest.mark.slow
 def test_adam_update(case, fmt_name):
     check_update(STEPS, case, fmt_name)
+
+
+# -- a step as equinox's own examples write it ------------------------------------------------------
+class NormedMLP(eqx.Module):
+    """BatchNorm (batch statistics over a ``jax.vmap`` axis name, running averages in ``eqx.nn.State``)
+    between linear layers, as equinox's ``stateful`` example; its ``axis_name``, ``inference`` flag
+    and activation are Python objects in the module."""
+
+    norm: eqx.nn.BatchNorm
+    lin1: eqx.nn.Linear
+    lin2: eqx.nn.Linear
+    activation: object = eqx.field(static=False, default=jax.nn.relu)
+
+    def __init__(self, d, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = eqx.nn.BatchNorm(input_size=d, axis_name="batch", mode="batch")
+        self.lin1 = eqx.nn.Linear(d, d, key=k1)
+        self.lin2 = eqx.nn.Linear(d, d, key=k2)
+
+    def __call__(self, x, state):
+        x, state = self.norm(x, state)
+        return self.lin2(self.activation(self.lin1(x))), state
+
+
+def _eqx_step(optim):
+    def loss(model, state, xs, ys):
+        pred, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)
+        return jnp.mean((pred - ys) ** 2), state
+
+    def make_step(model, state, opt_state, xs, ys):
+        (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, xs, ys)
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state, value
+
+    return make_step
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8_per_channel", "mxfp8"])
+def test_filter_jit_step_returns_the_module(name):
+    """``eqx.filter_jit(scalify(make_step))`` with a step that returns its ``eqx.Module`` and
+    ``eqx.nn.State``, unchanged: the module's Python leaves come back as they were (they failed as
+    non-JAX outputs), the BatchNorm's ``pmean`` over the vmap axis runs (it failed: a collective
+    over a positional axis), and every array agrees with the float32 step on the same values."""
+    from thirdparty_harness import assert_tree_close, dequantize_tree, quantize_tree
+
+    import qformats as qf
+    import scalify
+
+    fmt, d = qf.get_format(name), 32
+    model, state = eqx.nn.make_with_state(NormedMLP)(d, jax.random.key(0))
+    qmodel = quantize_tree(model, fmt)
+    dmodel = dequantize_tree(qmodel)
+    rng = np.random.default_rng(0)
+    xs, ys = (jnp.asarray(rng.standard_normal((8, d)), jnp.float32) for _ in range(2))
+    optim = optax.adam(1e-2, eps=1e-2)
+    opt_state = optim.init(eqx.filter(dmodel, eqx.is_array))
+    step = _eqx_step(optim)
+    expected = eqx.filter_jit(step)(dmodel, state, opt_state, xs, ys)
+    got = eqx.filter_jit(scalify.scalify(step))(qmodel, state, opt_state, xs, ys)
+    assert got[0].norm.axis_name == "batch" and got[0].norm.inference is False
+    assert got[0].activation is jax.nn.relu
+    leaves = lambda t: jax.tree.leaves(t, is_leaf=scalify.is_scaled_leaf)
+    arrays = lambda t: [x for x in leaves(t) if eqx.is_array(x) or isinstance(x, scalify.ScaledArray)]
+    assert_tree_close(arrays(got), arrays(expected), fmt, "model, state, optimizer state and loss")
+    assert float(got[3]) == pytest.approx(float(expected[3]), rel=1e-5)

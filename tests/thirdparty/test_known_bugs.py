@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from thirdparty_harness import _accepts, assert_tree_close, dequantize_tree
+from thirdparty_harness import accepts, assert_tree_close, dequantize_tree
 
 import qformats as qf
 import scalify
@@ -41,7 +41,7 @@ def test_large_negative_mask_literal(fmt_name, literal):
     fmt = qf.get_format(fmt_name)
     rng = np.random.default_rng(7)
     q, k, v = (jnp.asarray(rng.standard_normal((8, 32)), jnp.float32) for _ in range(3))
-    if not _accepts(fmt, q):
+    if not accepts(fmt, q):
         pytest.skip(f"{fmt_name} does not accept an (8, 32) operand ({fmt.layout.describe()})")
     sq, sk, sv = (scalify.as_scaled_array(a, fmt=fmt) for a in (q, k, v))
     fn = jax.value_and_grad(lambda q, k, v: _masked_attention(q, k, v, MASK_LITERALS[literal]), argnums=(0, 1, 2))
