@@ -96,10 +96,10 @@ def _common_scale(scale, axes, groups):
 
 
 def _positional(eqn, reduce, xs):
-    """``(xs, named)``: each scaled ``x`` reduced over the positional axes of ``eqn``'s ``axes`` by
-    ``reduce`` (``jnp.sum``, ``jnp.max``, ``jnp.min``) under scalify's own rules, and the mesh axes
-    left to reduce across shards. (vmap's batching rule turns a named axis that it binds into the
-    positional axis it maps, in the collective's ``axes``.)"""
+    """``(xs, named, pos)``: each scaled ``x`` reduced over the positional axes ``pos`` of ``eqn``'s
+    ``axes`` by ``reduce`` (``jnp.sum``, ``jnp.max``, ``jnp.min``) under scalify's own rules, and
+    the mesh axes ``named`` left to reduce across shards. (vmap's batching rule turns a named axis
+    that it binds into the positional axis it maps, in the collective's ``axes``.)"""
     from scalify._interpreter import eval_closed  # the rule modules load with the interpreter
 
     axes = _axes(eqn.params["axes"])

@@ -149,7 +149,8 @@ def _outside_scalify(name):
 
 for _name in (
     "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __floordiv__ "
-    "__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ __neg__ __pos__ __abs__"
+    "__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ __neg__ __pos__ __abs__ "
+    "__lt__ __le__ __gt__ __ge__"
 ).split():
     setattr(ScaledArray, _name, _outside_scalify(_name))
 

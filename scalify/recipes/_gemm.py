@@ -205,7 +205,7 @@ def rotate(hadamard, x, aim: _Aim):
         return hadamard.apply(x, axis)
     perm = (*aim.contracted, *(a for a in range(x.ndim) if a not in aim.contracted))
     summed = math.prod(x.shape[a] for a in aim.contracted)
-    view = _View(perm, (summed, x.size // summed))
+    view = _View(perm, (summed, x.size // summed if summed else 0))
     return _through(view, lambda v: hadamard.apply(v, 0), x)
 
 

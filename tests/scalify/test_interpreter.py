@@ -119,7 +119,8 @@ def test_scalar_outputs_convert_to_python_numbers():
     assert isinstance(loss, jsa.ScaledArray)
     assert loss.item() == pytest.approx(want, rel=1e-6) and float(loss) == pytest.approx(want, rel=1e-6)
     assert int(jsa.as_scaled_array(jnp.float32(3.75))) == 3
-    for op in (lambda v: 0 + v, lambda v: v / 2, lambda v: -v, lambda v: v @ v, lambda v: np.ones(()) * v):
+    ops = (lambda v: 0 + v, lambda v: v / 2, lambda v: -v, lambda v: v @ v, lambda v: np.ones(()) * v, lambda v: v < 1)
+    for op in ops:
         with pytest.raises(TypeError, match=r"no arithmetic outside scalify .*scalify\.scalify.*to_array"):
             op(loss)
 
