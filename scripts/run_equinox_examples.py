@@ -2,6 +2,7 @@
 
     python scripts/run_equinox_examples.py --source DIR       # an equinox git checkout (docs/examples/)
     python scripts/run_equinox_examples.py --source DIR --only mnist,stateful --formats all --markdown
+    python scripts/run_equinox_examples.py --source DIR --recipes mxfp8,float8_rowwise,nvfp4  # training recipes
 
 The programs are the notebooks of equinox's ``docs/examples/`` (``mnist``, ``train_rnn``,
 ``frozen_layer``, ``stateful``, ``score_based_diffusion``, ``vision_transformer``), read from a
@@ -40,6 +41,14 @@ with a step's outputs in Python, outside any jitted function (mnist's ``avg_loss
 train_rnn's eager accuracy, the diffusion example's plot): scalify has no arithmetic there (no
 silent dequantization) and says so; the outcome is ``ok*`` when the calls made up to that error
 agree.
+
+With ``--recipes`` (built-in names, ``high`` or ``all``; ``--high-precision-scopes`` and
+``--weights-only`` as in ``run_keras_hub_models.py``), ``eqx.filter_jit(f)`` is
+``eqx.filter_jit(scalify.recipes.apply(f, recipe))`` on the float32 weights instead, and the check
+is that script's: every call's outputs finite where float32's are, and the first call's update of
+the model (the same inputs in both runs) at a cosine with float32's above its floor (``high``:
+float32's values to rounding). ``refused`` is the recipe's own error for a contraction whose widths
+its formats cannot block, which names the contraction and the fixes.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from run_flax_examples import failure, install_stand_ins, parse_cli, summary  # noqa: E402
+from run_keras_hub_models import RECIPE_COSINE_FLOOR, _recipes_arg, recipe  # noqa: E402
 from thirdparty_harness import accepts, assert_tree_close  # noqa: E402
 
 import scalify  # noqa: E402
@@ -193,16 +203,24 @@ def code_cells(root: Path, notebook: str) -> list[str]:
 class Run:
     """One run of a notebook: ``eqx.filter_jit`` as the notebook uses it, with its function under
     ``scalify`` (``scaled``) or as it is (the float32 reference), the weights of the ``eqx.Module``
-    arguments in ``fmt`` (dequantized for the reference) on first sight, every call's outputs kept."""
+    arguments in ``fmt`` (dequantized for the reference) on first sight, every call's outputs kept.
+    With a ``recipe``, the function runs under ``scalify.recipes.apply(f, recipe)`` instead, on the
+    float32 weights."""
 
-    def __init__(self, fmt, scaled: bool):
-        self.fmt, self.scaled = fmt, scaled
+    def __init__(self, fmt, scaled: bool, recipe=None):
+        self.fmt, self.scaled, self.recipe = fmt, scaled, recipe
         self.calls: list[tuple[str, object]] = []
+        self.first_modules: list = []  # the eqx.Module arguments of the first call
         self.produced: dict[int, object] = {}  # leaves a jitted call returned (the ref keeps the id)
         self.n_scaled = 0
 
+    def transform(self, fun):
+        if self.recipe is not None:
+            return scalify.recipes.apply(fun, self.recipe)
+        return scalify.scalify(fun) if self.scaled else fun
+
     def weight(self, w):
-        if isinstance(w, scalify.ScaledArray) or id(w) in self.produced or not accepts(self.fmt, w):
+        if self.fmt is None or isinstance(w, scalify.ScaledArray) or id(w) in self.produced or not accepts(self.fmt, w):
             return w
         self.n_scaled += 1
         q = scalify.as_scaled_array(w, fmt=self.fmt)
@@ -221,7 +239,7 @@ class Run:
         def patched(fun=None, **options):
             if fun is None:
                 return functools.partial(patched, **options)
-            jitted = real(scalify.scalify(fun) if self.scaled else fun, **options)
+            jitted = real(self.transform(fun), **options)
 
             @functools.wraps(fun)
             def call(*args, **kwargs):
@@ -230,6 +248,8 @@ class Run:
                     # jitted loss): part of that program, not a call of the notebook's own.
                     return jitted(*args, **kwargs)
                 args, kwargs = self.prepare(args, kwargs)
+                if not self.calls:
+                    self.first_modules = [x for x in (*args, *kwargs.values()) if isinstance(x, equinox.Module)]
                 out = jitted(*args, **kwargs)
                 for leaf in jax.tree.leaves(out, is_leaf=scalify.is_scaled_leaf):
                     self.produced[id(leaf)] = leaf
@@ -330,8 +350,69 @@ def check(example: Example, cells: list[str], fmt) -> tuple[str, str]:
     return "ok", detail
 
 
+def _update(run: Run) -> np.ndarray:
+    """What the first jitted call changed in its ``eqx.Module`` arguments: each module's arrays in
+    the call's output (the element of the returned tuple with the module's structure) minus the
+    module's, flattened."""
+    out = run.calls[0][1]
+    parts = out if isinstance(out, tuple | list) else (out,)
+    deltas = []
+    for m in run.first_modules:
+        new = next((p for p in parts if jax.tree.structure(p) == jax.tree.structure(m)), None)
+        if new is not None:
+            deltas += [
+                np.ravel(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                for a, b in zip(_arrays(new), _arrays(m), strict=True)
+                if jnp.issubdtype(jnp.result_type(b), jnp.floating)
+            ]
+    if not deltas:
+        raise AssertionError("the first jitted call returns none of its eqx.Module arguments: no update to compare")
+    return np.concatenate(deltas)
+
+
+def check_recipe(example: Example, cells: list[str], recipe) -> tuple[str, str]:
+    """(outcome, detail) of the notebook with its jitted functions under ``recipes.apply(f, recipe)``
+    against float32: every call's outputs finite where float32's are, and the first call's update
+    of the model (same inputs in both runs) pointing the way float32's does (the KerasHub script's
+    cosine floor for the recipe's narrowest element); the all-high-precision recipe must reproduce
+    float32 to its rounding."""
+    got, expected = Run(None, scaled=True, recipe=recipe), Run(None, scaled=False)
+    try:
+        execute(example, cells, expected)
+        execute(example, cells, got)
+        names = [n for n, _ in got.calls]
+        if names != [n for n, _ in expected.calls]:
+            raise AssertionError(f"the runs made different jitted calls: {names} and {[n for n, _ in expected.calls]}")
+        formats = [recipe.format_of(role) for role in scalify.recipes.ROLES]
+        for k, ((name, g), (_, e)) in enumerate(zip(got.calls, expected.calls, strict=True)):
+            for i, (a, b) in enumerate(zip(_arrays(g), _arrays(e), strict=True)):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                if (~np.isfinite(a) & np.isfinite(b)).any():
+                    raise AssertionError(f"call {k} ({name}) output {i}: NaN/Inf where float32 is finite")
+                if all(f is None for f in formats):
+                    np.testing.assert_allclose(
+                        a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(b), initial=0)))
+                    )
+        u, r = _update(got), _update(expected)
+        cosine = float(u @ r / (np.linalg.norm(u) * np.linalg.norm(r)))
+        detail = f"{len(got.calls)} jitted calls finite; first update's cosine with float32's {cosine:.4f}"
+        if all(f is None for f in formats):
+            return "ok", detail
+        floor = RECIPE_COSINE_FLOOR[4 if min(f.element.bits for f in formats if f is not None) <= 4 else 8]
+        return ("ok" if cosine > floor else "FAIL"), f"{detail} (floor {floor})"
+    except ValueError as exc:
+        if "cannot quantize" not in str(exc):
+            return failure(exc)
+        # The recipe's own refusal of a GEMM its formats cannot block (a width of 3), naming the
+        # contraction and the fixes: what a user of that notebook sees, not a wrong value.
+        return "refused", str(exc).split(":")[0]
+    except Exception as exc:  # reported per example and recipe (traceback on stderr), not raised
+        return failure(exc)
+
+
 def main(argv=None) -> int:
     global equinox
+    recipe_names, options, argv = _recipes_arg(argv)
     args, names, formats = parse_cli(__doc__, EXAMPLES, "equinox", argv)
     if args.source is None:
         raise SystemExit("equinox's sdist does not ship its example notebooks: pass --source DIR (a git checkout)")
@@ -346,13 +427,14 @@ def main(argv=None) -> int:
     root = args.source.resolve()
     print(f"equinox {equinox.__version__} examples from {root}; stand-ins for {stand_ins or 'none'}")
     rows = []
+    runs = [recipe(n, **options) for n in recipe_names] if recipe_names else formats
     for name in names:
         cells = code_cells(root, EXAMPLES[name].notebook)
-        for fmt in formats:
-            outcome, detail = check(EXAMPLES[name], cells, fmt)
-            rows.append((name, fmt.name, outcome, detail))
-            print(f"{name:22s} {fmt.name:18s} {outcome:5s} {detail}", flush=True)
-    return summary(rows, names, formats, args.markdown)
+        for run in runs:
+            outcome, detail = (check_recipe if recipe_names else check)(EXAMPLES[name], cells, run)
+            rows.append((name, run.name, outcome, detail))
+            print(f"{name:22s} {run.name:18s} {outcome:5s} {detail}", flush=True)
+    return summary(rows, names, runs, args.markdown)
 
 
 if __name__ == "__main__":

@@ -205,7 +205,13 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
         scopes = tuple(jc.scope_names(jc.current_name_stack()))
         with jc.fresh_name_stack():
             closed = jax.make_jaxpr(traced)(*dyn)
-        return rebuild_out(eval_jaxpr(ctx.for_one_call(), closed, dyn, scopes))
+        outs = eval_jaxpr(ctx.for_one_call(), closed, dyn, scopes)
+        # A returned constant (a BatchNorm's `state.set(index, jnp.array(False))`) comes back as an
+        # array, as jax.jit returns it: as a Python bool it was static under eqx.filter_jit, and the
+        # next step compiled again.
+        outvars = closed.jaxpr.outvars
+        outs = [jnp.asarray(o) if isinstance(v, jc.Literal) else o for v, o in zip(outvars, outs, strict=True)]
+        return rebuild_out(outs)
 
     return amp_fn
 

@@ -88,6 +88,10 @@ def test_python_objects_in_the_output_come_back_as_they_are(transform):
     assert out["act"] is jax.nn.relu and out["name"] == "batch" and out["flag"] is False and out["n"] == 3
     assert out["none"] is None
     np.testing.assert_allclose(np.asarray(out["y"]), np.tanh(np.asarray(x, np.float32)) * 2.0, rtol=1e-6)
+    # A constant the function returns is an array, as jax.jit returns it (under amp it came back as
+    # the jaxpr's literal, a Python bool, which eqx.filter_jit then held static).
+    flag = wrap(lambda x: (jnp.tanh(x), jnp.array(False)))(x)[1]
+    assert isinstance(flag, jax.Array) and flag.dtype == jnp.bool_ and not bool(flag)
     # Under jax.jit an object output stays an error, with or without scalify, as JAX reports it.
     with pytest.raises(TypeError, match="not a valid JAX type"):
         jax.jit(wrap(step))(x)
