@@ -45,9 +45,9 @@ agree.
 With ``--recipes`` (built-in names, ``high`` or ``all``; ``--high-precision-scopes`` and
 ``--weights-only`` as in ``run_keras_hub_models.py``), ``eqx.filter_jit(f)`` is
 ``eqx.filter_jit(scalify.recipes.apply(f, recipe))`` on the float32 weights instead, and the check
-is that script's: every call's outputs finite where float32's are, and the first call's update of
-the model (the same inputs in both runs) at a cosine with float32's above its floor (``high``:
-float32's values to rounding). ``refused`` is the recipe's own error for a contraction whose widths
+follows that script's, with the step's update in place of the gradient: every call's outputs finite
+where float32's are, and the first call's update of the model (the same inputs in both runs) at a
+cosine with float32's above its floor (``high``: float32's values to rounding). ``refused`` is the recipe's own error for a contraction whose widths
 its formats cannot block, which names the contraction and the fixes.
 """
 
