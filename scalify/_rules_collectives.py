@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from scalify._interpreter import eval_closed
 from scalify._jax_compat import (
     all_gather_p,
     all_to_all_p,
@@ -100,8 +101,6 @@ def _positional(eqn, reduce, xs):
     ``axes`` by ``reduce`` (``jnp.sum``, ``jnp.max``, ``jnp.min``) under scalify's own rules, and
     the mesh axes ``named`` left to reduce across shards. (vmap's batching rule turns a named axis
     that it binds into the positional axis it maps, in the collective's ``axes``.)"""
-    from scalify._interpreter import eval_closed  # the rule modules load with the interpreter
-
     axes = _axes(eqn.params["axes"])
     pos = tuple(a for a in axes if isinstance(a, int))
     if pos:
