@@ -183,6 +183,18 @@ def _note_fill(eqn, invals, outs):
             note_fill(outs[0], float(np.asarray(out, dtype)))
 
 
+def _abstract(x):
+    if isinstance(x, ScaledArray):
+        return logical_aval(x.shape, x.dtype, jax.tree.leaves((x.data, x.scale)))
+    return x
+
+
+def trace_logical(fn, args):
+    """The ClosedJaxpr of ``fn`` traced on ``args`` as the program sees them (a ScaledArray as the
+    logical array it stands for), to be walked with the rules on ``args`` themselves."""
+    return jax.make_jaxpr(fn)(*[_abstract(x) for x in args])
+
+
 # The primitives whose implementation is being walked (see ``_Scalify.through_impl``).
 _EXPANDING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("scalify_expanding", default=frozenset())
 
@@ -241,9 +253,8 @@ class _Scalify(_walk.Walk):
         expanding = _EXPANDING.get()
         if prim in expanding:
             return None  # the implementation binds the primitive itself (directly or in a nested jit)
-        logical = [jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, ScaledArray) else x for x in invals]
         try:
-            closed = jax.make_jaxpr(lambda *a: prim.impl(*a, **eqn.params))(*logical)
+            closed = trace_logical(lambda *a: prim.impl(*a, **eqn.params), invals)
         except Exception:  # any failure means: no implementation to walk
             return None
         token = _EXPANDING.set(expanding | {prim})
@@ -296,12 +307,6 @@ def eval_closed(closed, *args):
     return WALK.eval(closed.jaxpr, closed.consts, list(args))
 
 
-def _abstract(x):
-    if isinstance(x, ScaledArray):
-        return logical_aval(x.shape, x.dtype, jax.tree.leaves((x.data, x.scale)))
-    return x
-
-
 def scalify(fun):
     """Transform ``fun`` so that it propagates scales through ScaledArray inputs.
 
@@ -332,7 +337,7 @@ def scalify(fun):
                 a, k = jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray) else v, (args, kwargs))
                 return fun(*a, **k)
         else:
-            closed = jax.make_jaxpr(traced)(*[_abstract(x) for x in leaves])
+            closed = trace_logical(traced, leaves)
         return rebuild_out(_Program(leaves, closed.jaxpr.outvars).run(closed, leaves))
 
     return wrapped

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from scalify._interpreter import eval_closed
+from scalify._interpreter import eval_closed, trace_logical
 from scalify._jax_compat import (
     all_gather_p,
     all_to_all_p,
@@ -104,13 +104,8 @@ def _positional(eqn, reduce, xs):
     axes = _axes(eqn.params["axes"])
     pos = tuple(a for a in axes if isinstance(a, int))
     if pos:
-        aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-        xs = [
-            eval_closed(jax.make_jaxpr(lambda v: reduce(v, axis=pos))(aval(x)), x)[0]
-            if isinstance(x, ScaledArray)
-            else x
-            for x in xs
-        ]
+        summed = lambda v: reduce(v, axis=pos)
+        xs = [eval_closed(trace_logical(summed, [x]), x)[0] if isinstance(x, ScaledArray) else x for x in xs]
     return xs, tuple(a for a in axes if not isinstance(a, int)), pos
 
 

@@ -47,8 +47,9 @@ With ``--recipes`` (built-in names, ``high`` or ``all``; ``--high-precision-scop
 ``eqx.filter_jit(scalify.recipes.apply(f, recipe))`` on the float32 weights instead, and the check
 follows that script's, with the step's update in place of the gradient: every call's outputs finite
 where float32's are, and the first call's update of the model (the same inputs in both runs) at a
-cosine with float32's above its floor (``high``: float32's values to rounding). ``refused`` is the recipe's own error for a contraction whose widths
-its formats cannot block, which names the contraction and the fixes.
+cosine with float32's above its floor (``high``: float32's values to rounding). ``refused`` is the
+recipe's own error for a contraction whose widths its formats cannot block, which names the
+contraction and the fixes.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from run_flax_examples import failure, install_stand_ins, parse_cli, summary  # noqa: E402
-from run_keras_hub_models import RECIPE_COSINE_FLOOR, _recipes_arg, recipe  # noqa: E402
-from thirdparty_harness import accepts, assert_tree_close  # noqa: E402
+from run_keras_hub_models import _recipes_arg, cosine, cosine_floor, recipe  # noqa: E402
+from thirdparty_harness import accepts, array_leaves, assert_tree_close  # noqa: E402
 
 import scalify  # noqa: E402
 
@@ -314,11 +315,11 @@ def execute(example: Example, cells: list[str], run: Run) -> None:
             ns.update({k: v for k, v in example.sizes.items() if k in ns})
 
 
-def _arrays(tree) -> list:
-    """The array leaves of a call's output (ScaledArrays whole); a module's functions and names are
-    returned as the notebook's objects in both runs."""
-    leaves = jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf)
-    return [x for x in leaves if isinstance(x, (scalify.ScaledArray, jax.Array, np.ndarray, np.generic))]
+def _same_calls(got: Run, expected: Run, stopped: bool = False) -> None:
+    """The two runs made the same jitted calls (a run that stopped as expected: the first ones)."""
+    names, want = [n for n, _ in got.calls], [n for n, _ in expected.calls]
+    if names != want[: len(names) if stopped else None]:
+        raise AssertionError(f"the runs made different jitted calls: {names} and {want}")
 
 
 def check(example: Example, cells: list[str], fmt) -> tuple[str, str]:
@@ -335,12 +336,9 @@ def check(example: Example, cells: list[str], fmt) -> tuple[str, str]:
             if not (example.stops and re.search(example.stops, str(exc))):
                 raise
             stopped = exc
-        names = [n for n, _ in got.calls]
-        if names != [n for n, _ in expected.calls][: len(names) if stopped else None]:
-            raise AssertionError(f"the runs made different jitted calls: {names} and {[n for n, _ in expected.calls]}")
-        # A run that stopped as expected made the first of the reference's calls.
+        _same_calls(got, expected, stopped is not None)
         for k, ((name, g), (_, e)) in enumerate(zip(got.calls, expected.calls[: len(got.calls)], strict=True)):
-            assert_tree_close(_arrays(g), _arrays(e), fmt, f"call {k} ({name})", rtol_factor=1 + k)
+            assert_tree_close(array_leaves(g), array_leaves(e), fmt, f"call {k} ({name})", rtol_factor=1 + k)
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
         return failure(exc)
     detail = f"{got.n_scaled} weights scaled, {len(got.calls)} jitted calls agree"
@@ -362,7 +360,7 @@ def _update(run: Run) -> np.ndarray:
         if new is not None:
             deltas += [
                 np.ravel(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-                for a, b in zip(_arrays(new), _arrays(m), strict=True)
+                for a, b in zip(array_leaves(new), array_leaves(m), strict=True)
                 if jnp.issubdtype(jnp.result_type(b), jnp.floating)
             ]
     if not deltas:
@@ -380,26 +378,22 @@ def check_recipe(example: Example, cells: list[str], recipe) -> tuple[str, str]:
     try:
         execute(example, cells, expected)
         execute(example, cells, got)
-        names = [n for n, _ in got.calls]
-        if names != [n for n, _ in expected.calls]:
-            raise AssertionError(f"the runs made different jitted calls: {names} and {[n for n, _ in expected.calls]}")
-        formats = [recipe.format_of(role) for role in scalify.recipes.ROLES]
+        _same_calls(got, expected)
+        floor = cosine_floor(recipe)
         for k, ((name, g), (_, e)) in enumerate(zip(got.calls, expected.calls, strict=True)):
-            for i, (a, b) in enumerate(zip(_arrays(g), _arrays(e), strict=True)):
+            for i, (a, b) in enumerate(zip(array_leaves(g), array_leaves(e), strict=True)):
                 a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
                 if (~np.isfinite(a) & np.isfinite(b)).any():
                     raise AssertionError(f"call {k} ({name}) output {i}: NaN/Inf where float32 is finite")
-                if all(f is None for f in formats):
+                if floor is None:
                     np.testing.assert_allclose(
                         a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(b), initial=0)))
                     )
-        u, r = _update(got), _update(expected)
-        cosine = float(u @ r / (np.linalg.norm(u) * np.linalg.norm(r)))
-        detail = f"{len(got.calls)} jitted calls finite; first update's cosine with float32's {cosine:.4f}"
-        if all(f is None for f in formats):
+        c = cosine(_update(got), _update(expected))
+        detail = f"{len(got.calls)} jitted calls finite; first update's cosine with float32's {c:.4f}"
+        if floor is None:
             return "ok", detail
-        floor = RECIPE_COSINE_FLOOR[4 if min(f.element.bits for f in formats if f is not None) <= 4 else 8]
-        return ("ok" if cosine > floor else "FAIL"), f"{detail} (floor {floor})"
+        return ("ok" if c > floor else "FAIL"), f"{detail} (floor {floor})"
     except ValueError as exc:
         if "cannot quantize" not in str(exc):
             return failure(exc)

@@ -273,6 +273,19 @@ def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)])
 
 
+def cosine_floor(recipe):
+    """:data:`RECIPE_COSINE_FLOOR` for ``recipe``'s narrowest element, or None when every role is in
+    high precision (then the program must be float32's, to rounding)."""
+    from scalify import recipes
+
+    formats = [f for f in (recipe.format_of(role) for role in recipes.ROLES) if f is not None]
+    return RECIPE_COSINE_FLOOR[4 if min(f.element.bits for f in formats) <= 4 else 8] if formats else None
+
+
+def cosine(a, b) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 def check_recipe(case: Case, recipe) -> tuple[str, str]:
     """``(outcome, detail)`` of ``recipes.apply(loss, recipe)`` under ``jax.value_and_grad``.
 
@@ -290,16 +303,14 @@ def check_recipe(case: Case, recipe) -> tuple[str, str]:
         g, r = _flat(grad), _flat(ref_grad)
         if not (np.isfinite(g).all() and np.isfinite(float(value))):
             return "FAIL", f"non-finite loss or gradient under {recipe.name}"
-        cosine = float(g @ r / (np.linalg.norm(g) * np.linalg.norm(r)))
-        detail = f"loss {float(value):.4f} (float32 {float(ref_value):.4f}), gradient cosine {cosine:.4f}"
-        formats = [recipe.format_of(role) for role in recipes.ROLES]
-        if all(f is None for f in formats):
+        c = cosine(g, r)
+        detail = f"loss {float(value):.4f} (float32 {float(ref_value):.4f}), gradient cosine {c:.4f}"
+        floor = cosine_floor(recipe)
+        if floor is None:
             np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.max(np.abs(r)))
             return "ok", detail
-        bits = min(f.element.bits for f in formats if f is not None)
-        floor = RECIPE_COSINE_FLOOR[4 if bits <= 4 else 8]
-        return ("ok" if cosine > floor else "FAIL"), detail + f" (floor {floor})"
+        return ("ok" if c > floor else "FAIL"), detail + f" (floor {floor})"
     except Exception as exc:  # reported per (model, recipe); the run goes on
         return failure(exc)
 

@@ -160,7 +160,7 @@ def test_filter_jit_step_returns_the_module(name):
     ``eqx.nn.State``, unchanged: the module's Python leaves come back as they were (they failed as
     non-JAX outputs), the BatchNorm's ``pmean`` over the vmap axis runs (it failed: a collective
     over a positional axis), and every array agrees with the float32 step on the same values."""
-    from thirdparty_harness import assert_tree_close, dequantize_tree, quantize_tree
+    from thirdparty_harness import array_leaves, assert_tree_close, dequantize_tree, quantize_tree
 
     import qformats as qf
     import scalify
@@ -178,7 +178,5 @@ def test_filter_jit_step_returns_the_module(name):
     got = eqx.filter_jit(scalify.scalify(step))(qmodel, state, opt_state, xs, ys)
     assert got[0].norm.axis_name == "batch" and got[0].norm.inference is False
     assert got[0].activation is jax.nn.relu
-    leaves = lambda t: jax.tree.leaves(t, is_leaf=scalify.is_scaled_leaf)
-    arrays = lambda t: [x for x in leaves(t) if eqx.is_array(x) or isinstance(x, scalify.ScaledArray)]
-    assert_tree_close(arrays(got), arrays(expected), fmt, "model, state, optimizer state and loss")
+    assert_tree_close(array_leaves(got), array_leaves(expected), fmt, "model, state, optimizer state and loss")
     assert float(got[3]) == pytest.approx(float(expected[3]), rel=1e-5)

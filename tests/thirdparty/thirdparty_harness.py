@@ -136,6 +136,13 @@ def dequantize_tree(tree):
     )
 
 
+def array_leaves(tree) -> list:
+    """The array leaves of ``tree`` (a ScaledArray whole), without the Python objects an
+    ``eqx.Module`` holds beside them (activation functions, names, flags)."""
+    leaves = jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf)
+    return [x for x in leaves if isinstance(x, (scalify.ScaledArray, jax.Array, np.ndarray, np.generic))]
+
+
 def n_scaled(tree) -> int:
     return sum(isinstance(v, scalify.ScaledArray) for v in jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf))
 
