@@ -295,6 +295,15 @@ def scope_names(name_stack) -> list[str]:
     return out
 
 
+def in_transpose(name_stack) -> bool:
+    """Whether an equation's name stack says JAX's transposition emitted it: the backward pass of a
+    gradient taken inside the traced function (``transpose(jvp(scope))/...``)."""
+    stack = getattr(name_stack, "stack", None)
+    if stack is not None and _siu is not None:
+        return any(isinstance(e, _siu.Transform) and e.name == "transpose" for e in stack)
+    return "transpose(" in str(name_stack)
+
+
 def current_name_stack():
     """The name stack of the code being traced right now (``jax.named_scope`` blocks around us)."""
     if _siu is None:  # pragma: no cover

@@ -301,6 +301,23 @@ def sub_jaxpr_operands(eqn) -> list[list[int | None]]:
     return out
 
 
+def sub_jaxpr_results(eqn) -> list[list[int | None]]:
+    """For each of ``eqn``'s sub-jaxprs (as :func:`sub_jaxprs` lists them), the index of the output
+    of ``eqn`` each of its outvars becomes; ``None`` for a loop carry (while's body, scan's carries)
+    and for a sub-jaxpr whose outputs are not ``eqn``'s (while's predicate)."""
+    if eqn.primitive is while_p:
+        cond, body = sub_jaxprs(eqn)
+        return [[None] * len(cond.jaxpr.outvars), [None] * len(body.jaxpr.outvars)]
+    if eqn.primitive is scan_p:
+        k = eqn.params["num_carry"]
+        return [[*[None] * k, *range(k, len(eqn.outvars))]]
+    out = []
+    for j in sub_jaxprs(eqn):
+        m = len(j.jaxpr.outvars if isinstance(j, ClosedJaxpr) else j.outvars)
+        out.append(list(range(m)) if m == len(eqn.outvars) else [None] * m)
+    return out
+
+
 def has_sub_jaxprs(eqn) -> bool:
     """Whether ``eqn`` is a higher-order primitive (described here or not)."""
     if eqn.primitive in HIGHER_ORDER:

@@ -23,7 +23,7 @@ from scalify import _jax_compat as jc
 from scalify import _walk
 from scalify._in_place import holds_graph_nodes, lift_in_place
 from scalify._scaled_array import split_leaves, split_outputs
-from scalify.amp import _sources
+from scalify.amp import _sources, _transposes
 from scalify.amp._policy import (
     BindRule,
     QuantizeInputs,
@@ -47,9 +47,14 @@ class _Context:
         self.retraced: dict = {}
         # Operands' sources are tracked for rules that read them (the recipes'), not for dtype policies.
         self.tracks_sources = any(isinstance(rule, BindRule) for rule in policy.values())
+        # the backward contractions' forward partners in the traced program (rules that read sources)
+        self.transposes = None
 
-    def for_one_call(self) -> _Context:
-        return _Context(self.compute_dtype, self.policy)
+    def for_one_call(self, closed=None) -> _Context:
+        """A context for one call of the amp'ed function, whose traced program is ``closed``."""
+        out = _Context(self.compute_dtype, self.policy)
+        out.transposes = _transposes.Transposes(closed) if closed is not None and self.tracks_sources else None
+        return out
 
     def lookup(self, scopes: tuple[str, ...], primitive) -> Callable:
         """The precision function for ``primitive`` under the named ``scopes`` (outermost first)."""
@@ -145,7 +150,8 @@ class _Amp(_walk.Walk):
         if isinstance(rule, BindRule):
             invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
             counts = () if sources is None else tuple(_sources.count(s) for s in sources)
-            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars], scopes, counts)
+            site = None if self.ctx.transposes is None else _transposes.Site(self.ctx.transposes, eqn)
+            return rule.bind(prim, invals, params, [v.aval for v in eqn.outvars], scopes, counts, site)
         orig_dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
         if isinstance(rule, QuantizeInputs):
             invals, params = rule.apply(prim, self.ctx.compute_dtype, orig_dtypes, invals, params)
@@ -205,7 +211,7 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
         scopes = tuple(jc.scope_names(jc.current_name_stack()))
         with jc.fresh_name_stack():
             closed = jax.make_jaxpr(traced)(*dyn)
-        outs = eval_jaxpr(ctx.for_one_call(), closed, dyn, scopes)
+        outs = eval_jaxpr(ctx.for_one_call(closed), closed, dyn, scopes)
         # A returned constant (a BatchNorm's `state.set(index, jnp.array(False))`) comes back as an
         # array, as jax.jit returns it: as a Python bool it was static under eqx.filter_jit, and the
         # next step compiled again.

@@ -189,15 +189,16 @@ class QuantizeInputs:
 class BindRule:
     """A policy value that evaluates the equation itself instead of choosing its inputs' precision.
 
-    The walker calls ``bind(primitive, invals, params, out_avals, scopes, sources)`` with the inputs
-    cast back to the program's dtypes, the ``jax.named_scope`` names around the equation (outermost
-    first, for error messages) and, per input, how many of the walked function's inputs it is
-    computed from (0, 1: a weight, 2: two or more, an activation; :mod:`scalify.amp._sources`); it
-    returns the equation's outputs (a list), with the program's output avals. ``scalify.recipes``
-    is a policy of such rules over this walker.
+    The walker calls ``bind(primitive, invals, params, out_avals, scopes, sources, site)`` with the
+    inputs cast back to the program's dtypes, the ``jax.named_scope`` names around the equation
+    (outermost first, for error messages), per input, how many of the walked function's inputs it
+    is computed from (0, 1: a weight, 2: two or more, an activation; :mod:`scalify.amp._sources`),
+    and the equation's :class:`~scalify.amp._transposes.Site` (which forward contraction a
+    backward one transposes); it returns the equation's outputs (a list), with the program's
+    output avals. ``scalify.recipes`` is a policy of such rules over this walker.
     """
 
-    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=()) -> list:
+    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=(), site=None) -> list:
         raise NotImplementedError
 
 

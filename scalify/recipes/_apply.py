@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scalify.amp._interpreter import amp
 from scalify.amp._policy import BindRule, use_original_precision
 from scalify.recipes._builtins import get_recipe
-from scalify.recipes._gemm import Contraction, recipe_contraction
+from scalify.recipes._gemm import Contraction, recipe_contraction, transposed_operands
 from scalify.recipes._recipe import Recipe
 
 
@@ -26,8 +28,20 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+class Quantized(NamedTuple):
+    """What the recipe made of a forward contraction: ``op(x, w)`` with the weight as the rhs;
+    ``unswap``: the permutation taking ``op``'s output to the program's, when the program bound the
+    weight first (``None`` otherwise)."""
+
+    op: Contraction
+    unswap: tuple[int, ...] | None
+    x_shape: tuple[int, ...]
+    w_shape: tuple[int, ...]
+
+
 class RecipeContraction(BindRule):
-    """Binds a contraction as :func:`recipe_contraction` under ``recipe``."""
+    """Binds a contraction as :func:`recipe_contraction` under ``recipe``; a backward contraction
+    of a gradient taken inside the walked function as its forward's dgrad or wgrad GEMM."""
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -35,27 +49,70 @@ class RecipeContraction(BindRule):
     def __repr__(self):
         return f"RecipeContraction({self.recipe.name!r})"
 
-    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=()):
-        x, w = invals
+    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=(), site=None):
+        partner = None if site is None else site.partner()
+        if partner is not None:
+            decision = site.transposes.decision_of(partner.forward)
+            return [self._backward(primitive, invals, params, out_avals, scopes, partner, decision)]
+        y, decision = self._forward(primitive, *invals, params, out_avals, scopes, sources)
+        if site is not None:
+            site.decide(decision)
+        return [y]
+
+    def _forward(self, primitive, x, w, params, out_avals, scopes, sources):
+        """The forward contraction and what the recipe made of it (``None``: the program's precision)."""
+        plain = lambda: (primitive.bind(x, w, **params), None)  # noqa: E731
         if not (_is_float(x) and _is_float(w)):
-            return [primitive.bind(x, w, **params)]
+            return plain()
         if self.recipe.weights_only and sources and 1 not in sources:
             # No operand is a weight (both mix inputs, or one is a constant): not a linear layer.
-            return [primitive.bind(x, w, **params)]
+            return plain()
+        if math.prod(x.shape[a] for a in _contracted(primitive, params)) == 1:
+            # An outer product (rotary embeddings' positions x frequencies, also written as a matmul
+            # summing over one element) is no GEMM of a linear layer; its gradients are reductions
+            # against a vector. All three keep the program's precision.
+            return plain()
+        unswap = None
         if primitive is lax.dot_general_p and tuple(sources) == (1, 2) and params.get("out_sharding") is None:
             # The weight came first (jnp.einsum orders operands as it finds cheapest): bind the
             # weight as the rhs, so its roles (2-D tiles, the weight gradient) are the weight's.
             params, unswap = _rhs_first(params, x.ndim, w.ndim)
-            (y,) = self.bind(primitive, (w, x), params, out_avals, scopes)  # out_avals: only the dtype is read
-            return [jnp.transpose(y, unswap)]
+            x, w = w, x
         op = Contraction(primitive, tuple(sorted(params.items())))
-        if math.prod(x.shape[a] for a in op.aims(x.ndim, w.ndim)["fwd_lhs"].contracted) == 1:
-            # An outer product (rotary embeddings' positions x frequencies, also written as a matmul
-            # summing over one element) is no GEMM of a linear layer; its gradients are reductions
-            # against a vector. All three keep the program's precision.
-            return [primitive.bind(x, w, **params)]
         out_dtype = self.recipe.out_dtype or out_avals[0].dtype
-        return [recipe_contraction(self.recipe, op, out_dtype, tuple(scopes), x, w).astype(out_avals[0].dtype)]
+        y = recipe_contraction(self.recipe, op, out_dtype, tuple(scopes), x, w).astype(out_avals[0].dtype)
+        if unswap is not None:
+            y = jnp.transpose(y, unswap)
+        return y, Quantized(op, unswap, x.shape, w.shape)
+
+    def _backward(self, primitive, invals, params, out_avals, scopes, partner, decision):
+        """A contraction JAX's transposition emitted for ``partner``: the dgrad or wgrad GEMM of the
+        forward's recipe, on the program's own operands (the gradient was taken inside the walked
+        function, so the forward's custom VJP never runs). Kept in the program's precision where
+        the forward was."""
+        if decision is None:
+            return primitive.bind(*invals, **params)
+        g, r = invals[1 - partner.residual], invals[partner.residual]
+        # The walker's weight is the program's rhs, or its lhs when it bound the weight first.
+        weight = 0 if decision.unswap is not None else 1
+        gemm = "wgrad" if partner.grad_of == weight else "dgrad"
+        if decision.unswap is not None:  # dy in the layout of the contraction the recipe ran
+            g = jnp.transpose(g, tuple(int(a) for a in np.argsort(decision.unswap)))
+        gq, rq = transposed_operands(
+            self.recipe, decision.op, gemm, tuple(scopes), decision.x_shape, decision.w_shape, g, r
+        )
+        if decision.unswap is not None:
+            gq = jnp.transpose(gq, decision.unswap)
+        operands = (gq, rq) if partner.residual == 1 else (rq, gq)
+        op = Contraction(primitive, tuple(sorted(params.items())))
+        return op.emulated(*operands).astype(out_avals[0].dtype)
+
+
+def _contracted(primitive, params) -> tuple[int, ...]:
+    """The lhs axes a contraction sums over (a convolution: its input features)."""
+    if primitive is lax.conv_general_dilated_p:
+        return (params["dimension_numbers"].lhs_spec[1],)
+    return tuple(params["dimension_numbers"][0][0])
 
 
 def _rhs_first(params, lhs_ndim: int, rhs_ndim: int):

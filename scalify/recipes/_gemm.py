@@ -290,30 +290,47 @@ def _like(x):
     return jax.ShapeDtypeStruct(x.shape, _F32, sharding=jax.typeof(x).sharding)
 
 
+def _g_digest(recipe: Recipe, g32):
+    """Both gradient GEMMs' stochastic-rounding keys hash dy once (the weight gradient's rotated
+    operand is a function of it); ``None`` when neither rounds stochastically."""
+    return digest(g32) if recipe.stochastic_rounding & {"dgrad_lhs", "wgrad_lhs"} else None
+
+
+def backward_operands(recipe: Recipe, gemm: str, aims, g32, r, g_digest, rq=None):
+    """The quantized operands ``(dy, w)`` of the input-gradient GEMM (``gemm="dgrad"``, ``r = w``) or
+    ``(dy, x)`` of the weight-gradient GEMM (``"wgrad"``, ``r = x``; both optionally rotated along
+    the summed M axis), ``dy`` in the forward output's layout. ``rq``: ``r`` already quantized."""
+    lhs, rhs = f"{gemm}_lhs", f"{gemm}_rhs"
+    if rq is None:
+        rq = r.astype(_F32)
+        if gemm == "wgrad" and recipe.wgrad_hadamard is not None and aims[lhs].contracted:
+            g32 = rotate(recipe.wgrad_hadamard, g32, aims[lhs])
+            rq = rotate(recipe.wgrad_hadamard, rq, aims[rhs])
+        rq = quantize_operand(recipe, rhs, rq, aims[rhs])
+    return quantize_operand(recipe, lhs, g32, aims[lhs], g_digest), rq
+
+
 def _bwd(recipe, op, out_dtype, scopes, res, g):
     del out_dtype
     x, w, wq_fwd = res
     check_operands(recipe, op, ROLES[2:], x.shape, w.shape, g.shape, scopes)
     aims = op.aims(x.ndim, w.ndim)
     g32 = g.astype(_F32)
-    # Both gradient GEMMs' keys hash dy once (the weight gradient's operand is a function of it).
-    g_digest = digest(g32) if recipe.stochastic_rounding & {"dgrad_lhs", "wgrad_lhs"} else None
-
-    # input gradient: dx = f(., w)^T dy
-    gq = quantize_operand(recipe, "dgrad_lhs", g32, aims["dgrad_lhs"], g_digest)
-    wq = quantize_operand(recipe, "dgrad_rhs", w, aims["dgrad_rhs"]) if wq_fwd is None else wq_fwd
+    g_digest = _g_digest(recipe, g32)
+    gq, wq = backward_operands(recipe, "dgrad", aims, g32, w, g_digest, wq_fwd)  # dx = f(., w)^T dy
     (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq), _like(x))(gq)
-
-    # weight gradient: dw = f(x, .)^T dy, both operands optionally rotated along the summed M axis
-    gw, xw = g32, x.astype(_F32)
-    hadamard = recipe.wgrad_hadamard
-    if hadamard is not None and aims["wgrad_lhs"].contracted:
-        gw = rotate(hadamard, gw, aims["wgrad_lhs"])
-        xw = rotate(hadamard, xw, aims["wgrad_rhs"])
-    gq = quantize_operand(recipe, "wgrad_lhs", gw, aims["wgrad_lhs"], g_digest)
-    xq = quantize_operand(recipe, "wgrad_rhs", xw, aims["wgrad_rhs"])
+    gq, xq = backward_operands(recipe, "wgrad", aims, g32, x, g_digest)  # dw = f(x, .)^T dy
     (dw,) = jax.linear_transpose(lambda b: op.emulated(xq, b), _like(w))(gq)
     return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def transposed_operands(recipe: Recipe, op: Contraction, gemm: str, scopes: tuple, x_shape, w_shape, g, r):
+    """The quantized operands of one backward GEMM of ``op(x, w)`` that the program computes itself
+    (a gradient taken inside the function the recipe is applied to): as :func:`backward_operands`,
+    with the operands checked against the role's formats as the custom VJP checks them."""
+    check_operands(recipe, op, (f"{gemm}_lhs", f"{gemm}_rhs"), x_shape, w_shape, g.shape, scopes)
+    g32 = g.astype(_F32)
+    return backward_operands(recipe, gemm, op.aims(len(x_shape), len(w_shape)), g32, r, _g_digest(recipe, g32))
 
 
 recipe_contraction.defvjp(_fwd, _bwd)

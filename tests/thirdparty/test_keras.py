@@ -12,11 +12,14 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
+
+import scalify
 
 keras = pytest.importorskip("keras", minversion="3.0", reason="keras 3 is not installed (pip install -e '.[test]')")
 if keras.backend.backend() != "jax":
@@ -87,3 +90,84 @@ def test_grad(case, fmt_name):
 @pytest.mark.slow
 def test_adam_update(case, fmt_name):
     check_update(STEPS, case, fmt_name)
+
+
+# -------------------------------------------------------------------------------------------------
+# model.fit under a training recipe: keras's own train_step, one line changed
+# -------------------------------------------------------------------------------------------------
+
+
+def mnist_convnet():
+    """keras-io's "Simple MNIST convnet" (two Conv2D + MaxPooling2D, Flatten, Dropout, a softmax
+    Dense), on 16x16 images, compiled as the example compiles it; layer names from a fresh session
+    (the softmax layer's scope is ``dense``)."""
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(16, 16, 1)),
+            keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+            keras.layers.MaxPooling2D(pool_size=(2, 2)),
+            keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+            keras.layers.MaxPooling2D(pool_size=(2, 2)),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+    return model
+
+
+def recipe_in_the_loss_step(model, recipe):
+    """keras's JAX ``train_step`` written with the recipe around the loss (``jax.value_and_grad(
+    recipes.apply(loss))``: the recipe's custom VJP runs the backward GEMMs): the reference."""
+
+    def train_step(state, data):
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+        loss_fn = scalify.recipes.apply(model.compute_loss_and_updates, recipe)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, aux), grads = grad_fn(
+            trainable, non_trainable, metrics_vars, x, y, None, training=True, optimizer_variables=optimizer_vars
+        )
+        unscaled_loss, y_pred, non_trainable, metrics_vars = aux
+        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred, None)
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    return train_step
+
+
+@pytest.mark.parametrize("name", ["float8_tensorwise", "mxfp8"])
+def test_model_fit_under_a_recipe(name):
+    """``model.train_step = recipes.apply(model.train_step, recipe)``, then ``model.fit`` unchanged:
+    keras takes the gradient inside its step, so the recipe meets a differentiated program and must
+    run its backward GEMMs in their roles. The weights after two steps (a 64-image epoch) equal those of the step
+    that applies the recipe to the loss alone (within 1e-5 of each weight's largest magnitude: two
+    programs XLA compiles apart), and differ from float32's. MXFP8 keeps the 10-way Dense in high
+    precision (its input gradient sums over 10 outputs); the first convolution, over one input
+    channel, is no GEMM and keeps the program's precision under any recipe."""
+    recipe = scalify.recipes.get_recipe(name)
+    if name == "mxfp8":
+        recipe = recipe.replace(high_precision_scopes=("dense",))
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 16, 16, 1)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 10, 64), 10)
+
+    def fit(change):
+        model = mnist_convnet()
+        change(model)
+        history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        return history.history["loss"], [np.asarray(v.value) for v in model.trainable_variables]
+
+    loss, weights = fit(lambda m: setattr(m, "train_step", scalify.recipes.apply(m.train_step, recipe)))
+    ref_loss, ref_weights = fit(lambda m: setattr(m, "train_step", recipe_in_the_loss_step(m, recipe)))
+    _, f32_weights = fit(lambda m: None)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for w, ref in zip(weights, ref_weights, strict=True):
+        np.testing.assert_allclose(w, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    moved = [
+        not np.allclose(w, f, rtol=0, atol=1e-5 * np.abs(f).max()) for w, f in zip(weights, f32_weights, strict=True)
+    ]
+    assert any(moved)

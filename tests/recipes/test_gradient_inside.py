@@ -1,0 +1,119 @@
+"""``recipes.apply`` on a training step that takes its gradient inside, as flax's, equinox's and
+Keras's steps do: its backward GEMMs must run in their roles, as under ``jax.grad(apply(loss))``.
+
+Reference: the recipe's custom VJP (``jax.value_and_grad(recipes.apply(loss, recipe))``), whose
+quantized operands are bit-identical to torchao's (``test_torchao_vectors.py``). A step that takes
+the gradient inside reaches the walker differentiated, its backward GEMMs bound by JAX's transpose
+rules; the walker pairs each with its forward contraction and quantizes its operands in the
+recipe's dgrad or wgrad roles. Both paths quantize the same values with the same keys and run the
+same float32 contractions, so the results are compared bit for bit. Before the pairing, a
+backward GEMM took the forward roles: E4M3 gradients under ``FLOAT8_TENSORWISE``, no stochastic
+rounding or Hadamard transform under ``NVFP4``, a quantized weight gradient where the recipe keeps
+it in high precision, none under ``weights_only``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+from scalify import recipes
+
+
+def _data(shape, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _layer(w, h):
+    return jax.nn.gelu(jnp.einsum("fd,bf->bd", w, h))  # the weight bound first
+
+
+def _loss(p, x):
+    """A contraction in each place the walker must pair across: an inner jit, a scan of
+    rematerialised layers (residuals stacked by the forward scan, read by the backward one), a
+    weight bound first, a convolution (its input gradient reverses the kernel), a scoped head and
+    a tied embedding read twice in the forward pass (no transpose of the other)."""
+    h = jax.jit(lambda a, b: a @ b)(x, p["w1"])
+    h, _ = lax.scan(lambda h, w: (jax.checkpoint(_layer)(w, h), None), h, p["stack"])
+    img = jnp.tile(h.reshape(32, 8, 8, 1), (1, 1, 1, 32))
+    c = lax.conv_general_dilated(img, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = h + c.mean(axis=(1, 2)).repeat(2, axis=-1)
+    e = h @ p["emb"].T  # scores against the embedding
+    h = jax.nn.softmax(e) @ p["emb"]  # and the embedding read as a weight
+    with jax.named_scope("head"):
+        out = h @ p["head"]
+    return jnp.mean(out**2)
+
+
+PARAMS = {
+    "w1": _data((64, 64), 0, 0.1),
+    "stack": _data((3, 64, 64), 1, 0.1),
+    "k": _data((3, 3, 32, 32), 2, 0.1),
+    "emb": _data((96, 64), 3, 0.1),
+    "head": _data((64, 32), 4, 0.1),
+}
+X = _data((32, 64), 5)
+
+RECIPES = {
+    "float8_tensorwise": recipes.FLOAT8_TENSORWISE,  # E5M2 gradients
+    "nvfp4": recipes.NVFP4,  # stochastic rounding, Hadamard, 16x16 weight tiles
+    "mxfp8_weights_only": recipes.MXFP8.replace(weights_only=True),
+    "float8_rowwise_hp_wgrad": recipes.FLOAT8_ROWWISE.replace(wgrad_lhs=None, wgrad_rhs=None),
+    "mxfp8_hp_head": recipes.MXFP8.replace(high_precision_scopes=("head",)),
+}
+
+
+def _assert_trees_equal(got, want, compiled=False):
+    """Bit for bit; ``compiled``: two programs XLA compiled apart, whose fusions may sum in another
+    order, within 1e-5 of each leaf's largest magnitude (a gradient rounded in a wrong role, E4M3
+    for E5M2 or a skipped Hadamard transform, moves it by 1e-2 and more)."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if compiled:
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)), err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_gradient_taken_inside_runs_each_backward_gemm_in_its_role(name, jit):
+    recipe = RECIPES[name]
+    step = recipes.apply(lambda p, x: jax.value_and_grad(_loss)(p, x), recipe)
+    want = jax.value_and_grad(recipes.apply(_loss, recipe))
+    got = (jax.jit(step) if jit else step)(PARAMS, X)
+    _assert_trees_equal(got, (jax.jit(want) if jit else want)(PARAMS, X), compiled=jit)
+    assert not np.array_equal(got[1]["w1"], jax.grad(_loss)(PARAMS, X)["w1"])  # the recipe is on
+
+
+def test_an_optax_step_with_its_gradient_inside():
+    """An optax training step (gradient, Adam update, new parameters) under the recipe as a whole
+    equals the same step around the gradient of the applied loss."""
+    opt = optax.adam(1e-2)
+    recipe = recipes.NVFP4
+
+    def step(p, state, x, grad_fn):
+        loss, g = grad_fn(p, x)
+        updates, state = opt.update(g, state, p)
+        return loss, optax.apply_updates(p, updates), state
+
+    state = opt.init(PARAMS)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes int32 and float
+        got = jax.jit(recipes.apply(lambda p, s, x: step(p, s, x, jax.value_and_grad(_loss)), recipe))(PARAMS, state, X)
+        want = jax.jit(lambda p, s, x: step(p, s, x, jax.value_and_grad(recipes.apply(_loss, recipe))))(
+            PARAMS, state, X
+        )
+    _assert_trees_equal(got, want, compiled=True)
+
+
+def test_a_backward_gemms_error_names_the_gemm():
+    """A width the block cannot divide fails where that GEMM sums over it: here only the input
+    gradient sums over the 10 outputs."""
+    p = {"w1": _data((64, 64), 0), "w2": _data((64, 10), 1)}
+    step = recipes.apply(jax.grad(lambda p, x: jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])), recipes.MXFP8)
+    with pytest.raises(ValueError, match=r"cannot quantize dy \(dgrad_lhs.*input-gradient GEMM dx = dy.w"):
+        step(p, _data((32, 64), 2))
