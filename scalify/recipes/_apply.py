@@ -61,7 +61,7 @@ class RecipeContraction(BindRule):
 
     def _forward(self, primitive, x, w, params, out_avals, scopes, sources):
         """The forward contraction and what the recipe made of it (``None``: the program's precision)."""
-        plain = lambda: (primitive.bind(x, w, **params), None)  # noqa: E731
+        plain = lambda: (primitive.bind(x, w, **params), None)
         if not (_is_float(x) and _is_float(w)):
             return plain()
         if self.recipe.weights_only and sources and 1 not in sources:
