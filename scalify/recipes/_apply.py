@@ -5,6 +5,8 @@ Every floating ``dot_general`` and ``conv_general_dilated`` of ``fn`` (inside ne
 :func:`scalify.recipes._gemm.recipe_contraction`, whose custom VJP runs the backward GEMMs under
 the recipe. Contractions under ``amp_stop`` or a scope named in ``recipe.high_precision_scopes``
 keep the program's precision, and so do products of two activations under ``recipe.weights_only``.
+A gradient taken inside ``fn`` reaches the walker as contractions of its own; each is paired with
+its forward contraction (:mod:`scalify.amp._transposes`) and runs as its dgrad or wgrad GEMM.
 """
 
 from __future__ import annotations
@@ -140,9 +142,11 @@ def apply(fn: Callable, recipe: Recipe | str) -> Callable:
     """``fn`` with every contraction, and its gradients under ``jax.grad``, run under ``recipe``.
 
     Args:
-      fn: an unchanged JAX function (a model's loss, a layer). Take gradients of the result
-        (``jax.grad(apply(loss, recipe))``), not the other way round: the recipe replaces forward
-        contractions with ones whose custom VJP quantizes the backward GEMMs' operands.
+      fn: an unchanged JAX function: a model's loss, whose gradient is then taken
+        (``jax.grad(apply(loss, recipe))``: the recipe replaces forward contractions with ones whose
+        custom VJP quantizes the backward GEMMs' operands), or a training step that takes the
+        gradient inside (``apply(train_step, recipe)``: each backward contraction JAX's
+        transposition emitted is paired with its forward one and runs in the same roles).
       recipe: a :class:`Recipe` or a built-in recipe's name (``"mxfp8"``, ``"float8_rowwise"``, ...).
 
     Returns:

@@ -12,12 +12,18 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import (
+    Case,
+    StepResults,
+    check_grad,
+    check_update,
+    keras_step_with_the_recipe_on_the_loss,
+    run_loss,
+)
 
 import scalify
 
@@ -119,26 +125,6 @@ def mnist_convnet():
     return model
 
 
-def recipe_in_the_loss_step(model, recipe):
-    """keras's JAX ``train_step`` written with the recipe around the loss (``jax.value_and_grad(
-    recipes.apply(loss))``: the recipe's custom VJP runs the backward GEMMs): the reference."""
-
-    def train_step(state, data):
-        trainable, non_trainable, optimizer_vars, metrics_vars = state
-        x, y = data
-        loss_fn = scalify.recipes.apply(model.compute_loss_and_updates, recipe)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, aux), grads = grad_fn(
-            trainable, non_trainable, metrics_vars, x, y, None, training=True, optimizer_variables=optimizer_vars
-        )
-        unscaled_loss, y_pred, non_trainable, metrics_vars = aux
-        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred, None)
-        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
-
-    return train_step
-
-
 @pytest.mark.parametrize("name", ["float8_tensorwise", "mxfp8"])
 def test_model_fit_under_a_recipe(name):
     """``model.train_step = recipes.apply(model.train_step, recipe)``, then ``model.fit`` unchanged:
@@ -162,7 +148,7 @@ def test_model_fit_under_a_recipe(name):
         return history.history["loss"], [np.asarray(v.value) for v in model.trainable_variables]
 
     loss, weights = fit(lambda m: setattr(m, "train_step", scalify.recipes.apply(m.train_step, recipe)))
-    ref_loss, ref_weights = fit(lambda m: setattr(m, "train_step", recipe_in_the_loss_step(m, recipe)))
+    ref_loss, ref_weights = fit(lambda m: setattr(m, "train_step", keras_step_with_the_recipe_on_the_loss(m, recipe)))
     _, f32_weights = fit(lambda m: None)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for w, ref in zip(weights, ref_weights, strict=True):

@@ -49,6 +49,7 @@ import pytest
 
 import qformats as qf
 import scalify
+from scalify import recipes
 
 FORMAT_NAMES = tuple(qf.list_formats())
 
@@ -280,3 +281,25 @@ def check_update(results: StepResults, case: Case, fmt_name: str):
     fmt, got, expected = results.get(case, fmt_name)
     assert_tree_close(got[2], expected[2], fmt, f"{case.name} adam-updated params")
     assert_tree_close(got[3], expected[3], fmt, f"{case.name} adam state")
+
+
+def keras_step_with_the_recipe_on_the_loss(model, recipe):
+    """keras's JAX ``train_step(state, data)`` (keras/src/backend/jax/trainer.py) written with the
+    recipe around the loss, ``jax.value_and_grad(recipes.apply(loss, recipe))``, so the recipe's
+    custom VJP runs the backward GEMMs: the reference for ``recipes.apply(model.train_step, recipe)``,
+    which meets the gradient keras takes inside its step (``x, y`` batches, no sample weights)."""
+
+    def train_step(state, data):
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+        loss_fn = recipes.apply(model.compute_loss_and_updates, recipe)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, aux), grads = grad_fn(
+            trainable, non_trainable, metrics_vars, x, y, None, training=True, optimizer_variables=optimizer_vars
+        )
+        unscaled_loss, y_pred, non_trainable, metrics_vars = aux
+        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred, None)
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    return train_step
