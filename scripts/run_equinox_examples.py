@@ -75,7 +75,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from run_flax_examples import failure, install_stand_ins, parse_cli, summary  # noqa: E402
-from run_keras_hub_models import _recipes_arg, cosine, cosine_floor, recipe  # noqa: E402
+from run_keras_hub_models import _recipes_arg, cosine, cosine_floor, recipe, recipe_outcome  # noqa: E402
 from thirdparty_harness import accepts, array_leaves, assert_tree_close  # noqa: E402
 
 import scalify  # noqa: E402
@@ -375,7 +375,8 @@ def check_recipe(example: Example, cells: list[str], recipe) -> tuple[str, str]:
     cosine floor for the recipe's narrowest element); the all-high-precision recipe must reproduce
     float32 to its rounding."""
     got, expected = Run(None, scaled=True, recipe=recipe), Run(None, scaled=False)
-    try:
+
+    def run():
         execute(example, cells, expected)
         execute(example, cells, got)
         _same_calls(got, expected)
@@ -390,18 +391,9 @@ def check_recipe(example: Example, cells: list[str], recipe) -> tuple[str, str]:
                         a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(b), initial=0)))
                     )
         c = cosine(_update(got), _update(expected))
-        detail = f"{len(got.calls)} jitted calls finite; first update's cosine with float32's {c:.4f}"
-        if floor is None:
-            return "ok", detail
-        return ("ok" if c > floor else "FAIL"), f"{detail} (floor {floor})"
-    except ValueError as exc:
-        if "cannot quantize" not in str(exc):
-            return failure(exc)
-        # The recipe's own refusal of a GEMM its formats cannot block (a width of 3), naming the
-        # contraction and the fixes: what a user of that notebook sees, not a wrong value.
-        return "refused", str(exc).split(":")[0]
-    except Exception as exc:  # reported per example and recipe (traceback on stderr), not raised
-        return failure(exc)
+        return c, f"{len(got.calls)} jitted calls finite; first update's cosine with float32's {c:.4f}", floor
+
+    return recipe_outcome(run)
 
 
 def main(argv=None) -> int:

@@ -286,6 +286,24 @@ def cosine(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+def recipe_outcome(run) -> tuple[str, str]:
+    """``(outcome, detail)`` of a recipe check ``run() -> (cosine, detail, floor)``: ``ok`` above the
+    floor (or with no floor: ``run`` has compared with float32 itself), ``FAIL`` below it or on an
+    error; ``refused`` on the recipe's own error for a contraction its formats cannot block (a width
+    of 3), which names the contraction and the fixes: what a user sees, not a wrong value."""
+    try:
+        c, detail, floor = run()
+    except ValueError as exc:
+        if "cannot quantize" not in str(exc):
+            return failure(exc)
+        return "refused", str(exc).split(":")[0]
+    except Exception as exc:  # reported per example and recipe (traceback on stderr), not raised
+        return failure(exc)
+    if floor is None:
+        return "ok", detail
+    return ("ok" if c > floor else "FAIL"), f"{detail} (floor {floor})"
+
+
 def check_recipe(case: Case, recipe) -> tuple[str, str]:
     """``(outcome, detail)`` of ``recipes.apply(loss, recipe)`` under ``jax.value_and_grad``.
 

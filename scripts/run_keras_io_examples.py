@@ -64,8 +64,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from run_flax_examples import failure, parse_cli, summary  # noqa: E402
-from run_keras_hub_models import _recipes_arg, cosine, cosine_floor, recipe  # noqa: E402
+from run_flax_examples import parse_cli, summary  # noqa: E402
+from run_keras_hub_models import _recipes_arg, cosine, cosine_floor, recipe, recipe_outcome  # noqa: E402
 from thirdparty_harness import keras_step_with_the_recipe_on_the_loss  # noqa: E402
 
 import scalify  # noqa: E402
@@ -195,29 +195,24 @@ def check(path: Path, rec) -> tuple[str, str]:
     apply = lambda m: setattr(m, "train_step", scalify.recipes.apply(m.train_step, rec))
     on_loss = lambda m: setattr(m, "train_step", keras_step_with_the_recipe_on_the_loss(m, rec))
     got, ref, f32 = Run(apply), Run(on_loss), Run(lambda m: None)
-    try:
-        for run in (got, ref, f32):
-            execute(path, run)
+
+    def run():
+        for r in (got, ref, f32):
+            execute(path, r)
         if (~np.isfinite(got.losses) & np.isfinite(f32.losses)).any():
             raise AssertionError(f"losses {got.losses} not finite where float32's {f32.losses} are")
         for i, (a, b) in enumerate(zip(got.after, ref.after, strict=True)):
-            np.testing.assert_allclose(
-                a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"weight {i} vs the loss-side recipe"
-            )
+            tol = 1e-5 * np.abs(b).max()
+            np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"weight {i} vs the loss-side recipe")
         c = cosine(got.gradient(rec), got.gradient())
         detail = f"{len(got.after)} weights as the loss-side recipe's; gradient's cosine with float32's {c:.4f}"
         floor = cosine_floor(rec)
         if floor is None:
             for a, b in zip(got.after, f32.after, strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(b).max())))
-            return "ok", detail
-        return ("ok" if c > floor else "FAIL"), f"{detail} (floor {floor})"
-    except ValueError as exc:
-        if "cannot quantize" not in str(exc):
-            return failure(exc)
-        return "refused", str(exc).split(":")[0]
-    except Exception as exc:  # reported per example and recipe (traceback on stderr), not raised
-        return failure(exc)
+        return c, detail, floor
+
+    return recipe_outcome(run)
 
 
 def main(argv=None) -> int:
