@@ -69,6 +69,10 @@ class RecipeContraction(BindRule):
         if self.recipe.weights_only and sources and 1 not in sources:
             # No operand is a weight (both mix inputs, or one is a constant): not a linear layer.
             return plain()
+        if self.recipe.weights_only and _times_a_vector(primitive, params, x.ndim, w.ndim):
+            # A weight times a vector (a spectral norm's power iteration, W v and u W) is no linear
+            # layer's GEMM either: its operand has no token axis to block or scale over.
+            return plain()
         if math.prod(x.shape[a] for a in _contracted(primitive, params)) == 1:
             # An outer product (rotary embeddings' positions x frequencies, also written as a matmul
             # summing over one element) is no GEMM of a linear layer; its gradients are reductions
@@ -108,6 +112,15 @@ class RecipeContraction(BindRule):
         operands = (gq, rq) if partner.residual == 1 else (rq, gq)
         op = Contraction(primitive, tuple(sorted(params.items())))
         return op.emulated(*operands).astype(out_avals[0].dtype)
+
+
+def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:
+    """Whether a ``dot_general`` has an operand with no free axis (every axis summed or batch): a
+    matrix-vector or vector-vector product."""
+    if primitive is not lax.dot_general_p:
+        return False
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    return len(lc) + len(lb) == lhs_ndim or len(rc) + len(rb) == rhs_ndim
 
 
 def _contracted(primitive, params) -> tuple[int, ...]:

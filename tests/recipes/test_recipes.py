@@ -152,6 +152,38 @@ def test_weights_only_keeps_products_of_two_activations():
     assert not np.allclose(every_grad["wq"], grad["wq"], rtol=1e-5)
 
 
+def _spectral_loss(params, x, stop=lambda f: f):
+    """A linear layer whose weight is divided by its largest singular value, estimated by one power
+    iteration from the state vectors ``u`` and ``v`` (equinox's ``SpectralNorm``); ``stop`` wraps
+    the iteration's weight-vector products."""
+    w, u, v = params["w"], params["u"], params["v"]
+    v = stop(lambda: w.T @ u)()
+    v = v / jnp.linalg.norm(v)
+    u = stop(lambda: w @ v)()
+    sigma = stop(lambda: u @ (w @ v))() / jnp.linalg.norm(u)
+    return jnp.mean((x @ (w / sigma).T) ** 2)
+
+
+SPECTRAL = {"w": _data((32, 64), 7, 0.1), "u": _data((32,), 8), "v": _data((64,), 9)}
+
+
+def test_weights_only_keeps_weight_vector_products():
+    """Under ``weights_only`` a weight times a vector (a power iteration) keeps the program's
+    precision and the layer's GEMM runs under the recipe: the program equals the one whose
+    weight-vector products are under ``amp_stop``. Without ``weights_only`` they are quantized."""
+    stop = amp.amp_stop
+    r = recipes.FLOAT8_TENSORWISE
+    only = r.replace(weights_only=True)
+    got = jax.value_and_grad(recipes.apply(_spectral_loss, only))(SPECTRAL, X)
+    want = jax.value_and_grad(recipes.apply(lambda p, x: _spectral_loss(p, x, stop), only))(SPECTRAL, X)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    every = jax.value_and_grad(recipes.apply(_spectral_loss, r))(SPECTRAL, X)
+    stopped = jax.value_and_grad(recipes.apply(lambda p, x: _spectral_loss(p, x, stop), r))(SPECTRAL, X)
+    assert not np.array_equal(every[1]["w"], stopped[1]["w"])
+    assert not np.array_equal(got[1]["w"], jax.grad(_spectral_loss)(SPECTRAL, X)["w"])  # the layer's GEMM is
+
+
 def test_program_dtypes_are_kept_and_integer_dots_untouched():
     xb, wb = jnp.asarray(X, jnp.bfloat16), jnp.asarray(PARAMS["w1"], jnp.bfloat16)
     y = recipes.apply(lambda x, w: x @ w, recipes.FLOAT8_TENSORWISE)(xb, wb)
