@@ -3,6 +3,7 @@
     python scripts/run_flax_examples.py                       # pip download flax's sdist (installed version)
     python scripts/run_flax_examples.py --source DIR          # an unpacked flax sdist or a git clone
     python scripts/run_flax_examples.py --only lm1b,wmt --formats all --markdown
+    python scripts/run_flax_examples.py --recipes high,float8_tensorwise,mxfp8   # training recipes
 
 The programs are the ``train_step`` functions of flax's ``examples/`` (seq2seq, sst2, vae, lm1b,
 wmt, nlp_seq, imagenet, and the NNX examples mnist and gemma), read from flax's sdist of the
@@ -38,6 +39,15 @@ the reference is the same ``train_step`` in float32 on the dequantized parameter
 the returned state and metrics (NNX: of every object the step updates, and of its outputs) must
 agree within the third-party harness's tolerance (``tests/thirdparty/thirdparty_harness.py``:
 float32 propagation error, far below any format's element rounding).
+
+With ``--recipes`` (built-in names, ``high`` or ``all``; ``--high-precision-scopes`` and
+``--weights-only`` as in ``run_keras_hub_models.py``) the step runs as
+``scalify.recipes.apply(train_step, recipe)`` on the float32 parameters instead. Each step takes its
+gradient inside, so the recipe pairs every backward GEMM with its forward one; the check requires
+all of them paired (a count the script reads from the walker), every output finite where float32's
+is, and the step's update of the parameters at a cosine with float32's above the recipe's floor
+(``high``: float32's values to rounding). ``refused`` is the recipe's own error for a contraction
+whose widths its formats cannot block.
 """
 
 from __future__ import annotations
@@ -450,6 +460,90 @@ def check_nnx(build, run, train_step, fmt) -> tuple[str, str]:
     return "ok", f"{n_scaled(qparams)} parameters scaled"
 
 
+class _Counting:
+    """Records ``(paired, emitted)`` of every traced program's backward contractions while the
+    recipe walks a step (:class:`scalify.amp._transposes.Transposes`)."""
+
+    def __enter__(self):
+        from scalify.amp import _transposes
+
+        self.module, self.original, self.counts = _transposes, _transposes.Transposes, []
+        counts = self.counts
+
+        class Recording(self.original):
+            def __init__(self, closed):
+                super().__init__(closed)
+                counts.append(self.counts)
+
+        _transposes.Transposes = Recording
+        return self
+
+    def __exit__(self, *exc):
+        self.module.Transposes = self.original
+
+    def summary(self) -> str:
+        paired, emitted = (sum(c[i] for c in self.counts) for i in (0, 1))
+        return f"{paired} of {emitted} backward GEMMs paired"
+
+
+def _float_leaves(tree) -> list:
+    return [
+        np.asarray(x, np.float64) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
+
+
+def _params_update(before, after) -> np.ndarray:
+    return np.concatenate([(a - b).ravel() for a, b in zip(_float_leaves(after), _float_leaves(before), strict=True)])
+
+
+def check_recipe(name, examples, rec) -> tuple[str, str]:
+    """(outcome, detail) of the example's step as ``recipes.apply(train_step, rec)`` against float32:
+    every backward GEMM of the step (its gradient is taken inside) paired with its forward one, every
+    output finite where float32's is, and the step's update of the parameters pointing the way
+    float32's does (cosine above the recipe's floor; ``high``: float32's values to rounding)."""
+    from run_keras_hub_models import cosine, cosine_floor, recipe_outcome
+
+    nnx_example = name in NNX_EXAMPLES
+
+    def params_of(objects_or_state):
+        if nnx_example:
+            from flax import nnx
+
+            return nnx.state(objects_or_state[0], nnx.Param)
+        return objects_or_state.params
+
+    def run():
+        if nnx_example:
+            build, step_run, train_step = EXAMPLES[name](examples)
+            got_objects, expected_objects = build(), build()
+            before = params_of(expected_objects)
+            expected = step_run(train_step, expected_objects)
+            with _Counting() as counting:
+                got = step_run(scalify.recipes.apply(train_step, rec), got_objects)
+            got_params, expected_params = params_of(got_objects), params_of(expected_objects)
+        else:
+            state, step_run, train_step = EXAMPLES[name](examples)
+            before = state.params
+            expected = step_run(train_step, state)
+            with _Counting() as counting:
+                got = step_run(scalify.recipes.apply(train_step, rec), state)
+            got_params, expected_params = params_of(got[0]), params_of(expected[0])
+        paired, emitted = (sum(c[i] for c in counting.counts) for i in (0, 1))
+        if paired != emitted:
+            raise AssertionError(f"only {counting.summary()}: the others ran in the forward roles")
+        for i, (a, b) in enumerate(zip(_float_leaves(got), _float_leaves(expected), strict=True)):
+            if (~np.isfinite(a) & np.isfinite(b)).any():
+                raise AssertionError(f"output {i}: NaN/Inf where float32 is finite")
+        floor = cosine_floor(rec)
+        if floor is None:
+            for a, b in zip(_float_leaves(got_params), _float_leaves(expected_params), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(b).max(initial=0))))
+        c = cosine(_params_update(before, got_params), _params_update(before, expected_params))
+        return c, f"{counting.summary()}; update's cosine with float32's {c:.4f}", floor
+
+    return recipe_outcome(run)
+
+
 def failure(exc) -> tuple[str, str]:
     """``("FAIL", first line)`` of an exception, its traceback printed to stderr."""
     traceback.print_exc()
@@ -504,7 +598,11 @@ def summary(rows, names, formats, markdown: bool) -> int:
 
 
 def main(argv=None) -> int:
+    from run_keras_hub_models import _recipes_arg, recipe
+
+    recipe_names, options, argv = _recipes_arg(argv)
     args, names, formats = parse_cli(__doc__, EXAMPLES, "flax", argv)
+    runs = [recipe(n, **options) for n in recipe_names] if recipe_names else formats
     stand_ins = install_stand_ins()
     with tempfile.TemporaryDirectory(prefix="flax_examples_") as tmp:
         root = args.source.resolve() if args.source else fetch_flax(Path(tmp))
@@ -515,12 +613,17 @@ def main(argv=None) -> int:
         print(f"flax {version} examples from {root.name}; stand-ins for {stand_ins or 'none'}")
         rows = []
         for name in names:
-            state, run, train_step = EXAMPLES[name](examples)
-            for fmt in formats:
-                outcome, detail = (check_nnx if name in NNX_EXAMPLES else check)(state, run, train_step, fmt)
-                rows.append((name, fmt.name, outcome, detail))
-                print(f"{name:22s} {fmt.name:18s} {outcome:5s} {detail}", flush=True)
-    return summary(rows, names, formats, args.markdown)
+            if not recipe_names:
+                state, step_run, train_step = EXAMPLES[name](examples)
+            for run in runs:
+                if recipe_names:
+                    outcome, detail = check_recipe(name, examples, run)
+                else:
+                    checker = check_nnx if name in NNX_EXAMPLES else check
+                    outcome, detail = checker(state, step_run, train_step, run)
+                rows.append((name, run.name, outcome, detail))
+                print(f"{name:22s} {run.name:18s} {outcome:7s} {detail}", flush=True)
+    return summary(rows, names, runs, args.markdown)
 
 
 if __name__ == "__main__":

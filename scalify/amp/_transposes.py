@@ -77,8 +77,17 @@ class Transposes:
     def __init__(self, closed):
         self._partner: dict[int, Partner] = {}
         self._decision: dict[int, object] = {}
+        # ids of the contractions the transposition emitted: those without a partner are a user's
+        # own backward rule, or a pairing this module misses
+        self._transposed: set[int] = set()
         self._closed = closed  # keeps every equation, and so every id, alive
         self._scan(closed.jaxpr, {}, False)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """``(paired, emitted)``: contractions JAX's transposition emitted that have a forward
+        partner, and all it emitted."""
+        return len(self._partner), len(self._transposed)
 
     def partner_of(self, eqn) -> Partner | None:
         return self._partner.get(id(eqn))
@@ -99,6 +108,8 @@ class Transposes:
         for eqn in jaxpr.eqns:
             inside = transposed or jc.in_transpose(eqn.source_info.name_stack)
             if eqn.primitive in CONTRACTIONS:
+                if inside:
+                    self._transposed.add(id(eqn))
                 partner = self._match(eqn, tags) if inside else None
                 if partner is not None:
                     self._partner[id(eqn)] = partner

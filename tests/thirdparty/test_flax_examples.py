@@ -31,15 +31,30 @@ RUNS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt_name", list(RUNS))
-def test_flax_examples_train_unchanged(fmt_name):
-    examples = RUNS[fmt_name]
-    cmd = [sys.executable, str(SCRIPT), "--only", ",".join(examples), "--formats", fmt_name]
+def _run_script(examples, column, *options) -> list[str]:
+    """The script's lines for ``examples`` run with ``options``, each example's outcome in ``column``
+    (a format's or a recipe's name) asserted ``ok``."""
+    cmd = [sys.executable, str(SCRIPT), "--only", ",".join(examples), *options]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
     if "could not download flax" in proc.stderr:  # no route to PyPI: nothing to run the examples from
         pytest.skip(f"flax's sdist could not be downloaded: {proc.stderr.strip()[-500:]}")
     lines = [line.split() for line in proc.stdout.splitlines()]
-    outcomes = {w[0]: w[2] for w in lines if len(w) >= 3 and w[0] in examples and w[1] == fmt_name}
+    outcomes = {w[0]: w[2] for w in lines if len(w) >= 3 and w[0] in examples and w[1] == column}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert outcomes == dict.fromkeys(examples, "ok"), proc.stdout[-3000:]
+    return [line for line in proc.stdout.splitlines() if column in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt_name", list(RUNS))
+def test_flax_examples_train_unchanged(fmt_name):
+    _run_script(RUNS[fmt_name], fmt_name, "--formats", fmt_name)
+
+
+@pytest.mark.slow
+def test_flax_examples_train_under_a_recipe():
+    """``recipes.apply(train_step, recipe)`` on wmt's pmapped Transformer step and the NNX gemma step,
+    both of which take their gradient inside: every backward GEMM paired with its forward one,
+    outputs finite, the update above the recipe's cosine floor against float32's."""
+    lines = _run_script(("wmt", "gemma"), "float8_tensorwise", "--recipes", "float8_tensorwise")
+    assert len(lines) == 2 and all("backward GEMMs paired" in line for line in lines), lines
