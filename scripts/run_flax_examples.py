@@ -45,7 +45,8 @@ With ``--recipes`` (built-in names, ``high`` or ``all``; ``--high-precision-scop
 ``scalify.recipes.apply(train_step, recipe)`` on the float32 parameters instead. Each step takes its
 gradient inside, so the recipe pairs every backward GEMM with its forward one; the check requires
 all of them paired (a count the script reads from the walker), every output finite where float32's
-is, and the step's update of the parameters at a cosine with float32's above the recipe's floor
+is, and the step's change of the parameters and optimizer state at a cosine with float32's above
+the recipe's floor
 (``high``: float32's values to rounding). ``refused`` is the recipe's own error for a contraction
 whose widths its formats cannot block.
 """
@@ -492,45 +493,50 @@ def _float_leaves(tree) -> list:
     ]
 
 
-def _params_update(before, after) -> np.ndarray:
-    return np.concatenate([(a - b).ravel() for a, b in zip(_float_leaves(after), _float_leaves(before), strict=True)])
+def _change(before: list, after) -> np.ndarray:
+    """``after - before``, flat; ``before``: :func:`_float_leaves` of the same tree, taken (copied)
+    before an NNX step updates it in place."""
+    return np.concatenate([(a - b).ravel() for a, b in zip(_float_leaves(after), before, strict=True)])
 
 
 def check_recipe(name, examples, rec) -> tuple[str, str]:
     """(outcome, detail) of the example's step as ``recipes.apply(train_step, rec)`` against float32:
     every backward GEMM of the step (its gradient is taken inside) paired with its forward one, every
-    output finite where float32's is, and the step's update of the parameters pointing the way
-    float32's does (cosine above the recipe's floor; ``high``: float32's values to rounding)."""
+    output finite where float32's is, and the step's change of the parameters and optimizer state
+    pointing the way float32's does (cosine above the recipe's floor; ``high``: float32's values to
+    rounding). The optimizer state counts because gemma's warm-up schedule starts at a learning rate
+    of 0: its first step moves only Adam's moments."""
     from run_keras_hub_models import cosine, cosine_floor, recipe_outcome
 
     nnx_example = name in NNX_EXAMPLES
 
-    def params_of(objects_or_state):
+    def trained(objects_or_state):
+        """The parameters and optimizer state (NNX: of the model and optimizer objects)."""
         if nnx_example:
             from flax import nnx
 
-            return nnx.state(objects_or_state[0], nnx.Param)
-        return objects_or_state.params
+            return [nnx.state(objects_or_state[0]), nnx.state(objects_or_state[1])]
+        return [objects_or_state.params, objects_or_state.opt_state]
 
     def run():
         if nnx_example:
             build, step_run, train_step = EXAMPLES[name](examples)
             got_objects, expected_objects = build(), build()
-            before = params_of(expected_objects)
+            before = _float_leaves(trained(expected_objects))
             expected = step_run(train_step, expected_objects)
             with _Counting() as counting:
                 got = step_run(scalify.recipes.apply(train_step, rec), got_objects)
-            got_params, expected_params = params_of(got_objects), params_of(expected_objects)
+            got_trained, expected_trained = trained(got_objects), trained(expected_objects)
         else:
             state, step_run, train_step = EXAMPLES[name](examples)
-            before = state.params
+            before = _float_leaves(trained(state))
             expected = step_run(train_step, state)
             with _Counting() as counting:
                 got = step_run(scalify.recipes.apply(train_step, rec), state)
             from flax.training.train_state import TrainState
 
             new_state = lambda out: out if isinstance(out, TrainState) else out[0]  # vae returns the state alone
-            got_params, expected_params = params_of(new_state(got)), params_of(new_state(expected))
+            got_trained, expected_trained = trained(new_state(got)), trained(new_state(expected))
         paired, emitted = (sum(c[i] for c in counting.counts) for i in (0, 1))
         if paired != emitted:
             raise AssertionError(f"only {counting.summary()}: the others ran in the forward roles")
@@ -539,10 +545,10 @@ def check_recipe(name, examples, rec) -> tuple[str, str]:
                 raise AssertionError(f"output {i}: NaN/Inf where float32 is finite")
         floor = cosine_floor(rec)
         if floor is None:
-            for a, b in zip(_float_leaves(got_params), _float_leaves(expected_params), strict=True):
+            for a, b in zip(_float_leaves(got_trained), _float_leaves(expected_trained), strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(b).max(initial=0))))
-        c = cosine(_params_update(before, got_params), _params_update(before, expected_params))
-        return c, f"{counting.summary()}; update's cosine with float32's {c:.4f}", floor
+        c = cosine(_change(before, got_trained), _change(before, expected_trained))
+        return c, f"{counting.summary()}; the step's change at cosine {c:.4f}", floor
 
     return recipe_outcome(run)
 
