@@ -232,11 +232,18 @@ def check_operands(recipe: Recipe, op, roles, x_shape, w_shape, y_shape, scopes=
             # axis) are not a recipe user's, whose axes the library chooses.
             reason = str(e).split(". ")[0].rstrip(".")
             where = "/".join(scopes) or "no jax.named_scope"
+            # What the summed axis is, for the user to resize: a convolution's weight gradient sums
+            # over the batch alone along the blocks (a last partial batch of a dataset meets this).
+            sizes = (
+                "the batch for a convolution's weight gradient: drop a last partial batch"
+                if op.primitive is lax.conv_general_dilated_p and role.startswith("wgrad")
+                else "sequence length, batch x sequence for the weight gradient"
+            )
             raise ValueError(
                 f"recipe {recipe.name!r} cannot quantize {operand} ({role}, shape {shapes[operand]}) for the "
                 f"{_GEMM[role.split('_')[0]]} of the {op.primitive.name} at {where} (x {shapes['x']}, w "
-                f"{shapes['w']}): {reason}. Fixes: make the summed axis a multiple of the block (sequence length, "
-                f"batch x sequence for the weight gradient); or keep this contraction in the program's precision "
+                f"{shapes['w']}): {reason}. Fixes: make the summed axis a multiple of the block ({sizes}); "
+                f"or keep this contraction in the program's precision "
                 f"with recipe.replace(high_precision_scopes=(NAME,)), NAME one of the scopes above (wrap it in a "
                 f"jax.named_scope if it has none); or recipe.replace({role}=None) for high precision in that role "
                 "everywhere."

@@ -117,3 +117,20 @@ def test_a_backward_gemms_error_names_the_gemm():
     step = recipes.apply(jax.grad(lambda p, x: jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])), recipes.MXFP8)
     with pytest.raises(ValueError, match=r"cannot quantize dy \(dgrad_lhs.*input-gradient GEMM dx = dy.w"):
         step(p, _data((32, 64), 2))
+
+
+def test_a_partial_batch_names_the_convolutions_weight_gradient():
+    """A convolution's weight gradient sums over the batch, blocked along it: a batch of 24 (a
+    dataset's last partial batch) fails there, in both orders of gradient and recipe, and the
+    error says which axis to resize."""
+
+    def loss(k, x):
+        return jnp.mean(lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) ** 2)
+
+    k, x = _data((3, 3, 32, 32), 0, 0.1), _data((24, 8, 8, 32), 1)
+    match = r"weight-gradient GEMM dw = dy.x of the conv_general_dilated.*the batch for a convolution's weight gradient"
+    with pytest.raises(ValueError, match=match):
+        jax.grad(recipes.apply(loss, recipes.MXFP8))(k, x)
+    with pytest.raises(ValueError, match=match):
+        recipes.apply(jax.grad(loss), recipes.MXFP8)(k, x)
+    recipes.apply(loss, recipes.MXFP8)(k, x)  # the forward sums over 32 channels: it runs
