@@ -5,17 +5,21 @@ flax's, equinox's and Keras's steps do) reaches the walker differentiated: the b
 contractions of their own, emitted by JAX's transpose rules. For ``y = dot_general(a, b)`` and
 the cotangent ``g`` of ``y`` those rules bind
 
-    d/da: dot_general(g, b)   (b contracted over its free axes)
-    d/db: dot_general(g, a)   (a contracted over its free axes)
+    d/da: dot_general(g, b)   (g summed over b's free output axes, b over its free axes)
+    d/db: dot_general(g, a)   (g summed over a's free output axes, a over its free axes)
 
 and for ``conv_general_dilated(a, b)``: ``conv(g, rev(b))`` and ``conv(a, g)``. A contraction
-whose name stack says the transposition emitted it, and one of whose operands is a value the
-forward contraction read (the residual ``a`` or ``b``, forwarded through jit, scan and cond
-boundaries by position), with the other shaped as that contraction's output, transposes it.
+whose name stack says the transposition emitted it, one of whose operands is a value the forward
+contraction read (the residual ``a`` or ``b``, forwarded through jit, scan and cond boundaries by
+position; reversed for a convolution's input gradient), with the other shaped as that forward's
+output and the dimension numbers the rule gives, transposes it.
 
-:class:`Transposes` finds these pairs once per call, before the walk; the walker then records, at
-each forward contraction, what the recipe made of it (:meth:`Transposes.decide`), and a backward
-contraction reads its partner's decision (:meth:`Transposes.partner_of`).
+One operand can feed several forward contractions of one output shape (a gated MLP's gate and up
+projections read the same activations): the candidates whose ``jax.named_scope`` path is the
+backward contraction's are preferred, and where several remain they must agree on what the recipe
+made of them. :class:`Transposes` finds the candidates once per call, before the walk; the walker
+records, at each forward contraction, what the recipe made of it (:meth:`Transposes.decide`), and
+a backward contraction reads the outcome (:meth:`Transposes.resolve`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
 
 
 class Partner(NamedTuple):
-    """A backward contraction's forward one.
+    """A candidate forward contraction of a backward one.
 
     ``forward``: the forward equation; ``residual``: which operand of the backward contraction is
     the forward's (0 lhs, 1 rhs); ``grad_of``: the forward operand whose gradient it computes (0 for
@@ -43,85 +47,131 @@ class Partner(NamedTuple):
     grad_of: int
 
 
-def _free_axes(eqn, side: int) -> set[int]:
-    """The axes of ``dot_general`` operand ``side`` that are neither contracted nor batch."""
-    (contract, batch) = eqn.params["dimension_numbers"]
-    ndim = len(eqn.invars[side].aval.shape)
-    return set(range(ndim)) - set(contract[side]) - set(batch[side])
+class _Tag(NamedTuple):
+    """A variable read by a forward contraction: as its operand ``side``, ``reversed`` when it went
+    through ``rev`` since; ``scopes``: the contraction's named-scope path."""
+
+    forward: object
+    side: int
+    reversed: bool
+    scopes: tuple
 
 
-def _transposes(eqn, residual: int, forward, side: int) -> bool:
-    """Whether ``eqn``, reading ``forward``'s operand ``side`` as its operand ``residual``, is the
-    transpose rule's contraction for the gradient of ``forward``'s other operand."""
+def _transpose_dims(forward, side: int):
+    """The dimension numbers JAX's rule gives ``dot_general(g, residual)`` for the gradient of the
+    operand of ``forward`` other than ``side``; the output is (batch, lhs free, rhs free)."""
+    (contract, batch) = forward.params["dimension_numbers"]
+    ndims = [len(v.aval.shape) for v in forward.invars]
+    free = [tuple(a for a in range(ndims[s]) if a not in contract[s] and a not in batch[s]) for s in (0, 1)]
+    nb = len(batch[0])
+    start = nb + (len(free[0]) if side == 1 else 0)
+    out_free = tuple(range(start, start + len(free[side])))
+    return ((out_free, free[side]), (tuple(range(nb)), tuple(batch[side])))
+
+
+def _normal(dims):
+    return tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dims)
+
+
+def _transposes(eqn, residual: int, tag: _Tag) -> bool:
+    """Whether ``eqn``, reading ``tag``'s forward operand as its operand ``residual``, is the
+    transpose rule's contraction for the gradient of that forward's other operand."""
+    forward, side = tag.forward, tag.side
     if eqn.primitive is not forward.primitive:
         return False
     r, g = eqn.invars[residual], eqn.invars[1 - residual]
     if r.aval.shape != forward.invars[side].aval.shape or g.aval.shape != forward.outvars[0].aval.shape:
         return False
     if eqn.primitive is lax.dot_general_p:
-        # JAX's rule: dot_general(g, residual), the residual contracted over its free axes.
-        (contract, batch) = eqn.params["dimension_numbers"]
-        (_, fbatch) = forward.params["dimension_numbers"]
-        return residual == 1 and set(contract[1]) == _free_axes(forward, side) and set(batch[1]) == set(fbatch[side])
+        # JAX's rule: dot_general(g, residual), never the residual reversed.
+        dims = _normal(eqn.params["dimension_numbers"])
+        return residual == 1 and not tag.reversed and dims == _normal(_transpose_dims(forward, side))
     # conv: conv(g, rev(b)) for the input gradient, conv(a, g) for the weight gradient.
-    return residual == side
+    return residual == side and tag.reversed == (side == 1)
 
 
 class Transposes:
-    """The forward partner of each backward contraction in one closed jaxpr (nested ones included).
+    """The forward candidates of each backward contraction in one closed jaxpr (nested ones
+    included), and what the recipe made of each forward contraction.
 
-    Equations are told apart by identity (the walker walks these jaxpr objects), so the jaxpr must
-    outlive the instance's use.
+    Equations are told apart by identity (the walker walks these jaxpr objects); the instance
+    keeps the jaxpr, so the ids stay valid while it lives.
     """
 
     def __init__(self, closed):
-        self._partner: dict[int, Partner] = {}
-        self._decision: dict[int, object] = {}
+        self._partners: dict[int, tuple[Partner, ...]] = {}
+        self._decisions: dict[int, list] = {}
         # ids of the contractions the transposition emitted: those without a partner are a user's
         # own backward rule, or a pairing this module misses
         self._transposed: set[int] = set()
-        self._closed = closed  # keeps every equation, and so every id, alive
-        self._scan(closed.jaxpr, {}, False)
+        self._closed = closed
+        self._scan(closed.jaxpr, {}, False, ())
 
     @property
     def counts(self) -> tuple[int, int]:
         """``(paired, emitted)``: contractions JAX's transposition emitted that have a forward
-        partner, and all it emitted."""
-        return len(self._partner), len(self._transposed)
+        candidate, and all it emitted (each equation once)."""
+        return len(self._partners), len(self._transposed)
 
-    def partner_of(self, eqn) -> Partner | None:
-        return self._partner.get(id(eqn))
+    def partners_of(self, eqn) -> tuple[Partner, ...]:
+        return self._partners.get(id(eqn), ())
 
     def decide(self, eqn, decision) -> None:
-        """Record what the recipe made of the forward contraction ``eqn``."""
-        self._decision[id(eqn)] = decision
+        """Record what the recipe made of the forward contraction ``eqn`` (once per distinct
+        decision: a jaxpr traced once and called at several sites is walked at each)."""
+        seen = self._decisions.setdefault(id(eqn), [])
+        if decision not in seen:
+            seen.append(decision)
 
-    def decision_of(self, eqn):
-        """What the recipe made of the forward contraction ``eqn``; ``None`` when no rule bound it
-        (a high-precision scope, ``amp_stop``)."""
-        return self._decision.get(id(eqn))
+    def resolve(self, eqn):
+        """``(partner, decision)`` for the backward contraction ``eqn``, or ``None`` when it has no
+        forward candidate. ``decision`` is ``None`` where the forward kept the program's precision
+        (also when no rule bound it: a high-precision scope, ``amp_stop``). Raises ``ValueError``
+        when the candidates' outcomes differ."""
+        partners = self.partners_of(eqn)
+        if not partners:
+            return None
+        outcomes: dict = {}
+        for p in partners:
+            for d in self._decisions.get(id(p.forward), [None]):
+                outcomes.setdefault(None if d is None else (d, p.residual, p.grad_of), (p, d))
+        if len(outcomes) > 1:
+            where = ", ".join(
+                sorted({"/".join(jc.scope_names(p.forward.source_info.name_stack)) or "no scope" for p in partners})
+            )
+            raise ValueError(
+                f"a backward {eqn.primitive.name} of the gradient taken inside the function under the recipe "
+                f"transposes one of several forward contractions (at {where}) that the recipe treats differently "
+                "(one quantized, another kept in the program's precision, or one jitted function called on "
+                "a weight at one site and on two activations at another), and nothing tells which. Apply the "
+                "recipe to the loss and take the gradient outside: jax.grad(recipes.apply(loss, recipe)); "
+                "where the forward contractions are distinct equations (not one jitted function called twice), "
+                "distinct jax.named_scope blocks around them also tell them apart."
+            )
+        return next(iter(outcomes.values()))
 
-    def _scan(self, jaxpr, tags: dict, transposed: bool) -> None:
-        """Walk ``jaxpr``; ``tags``: ``{var: ((forward eqn, side), ...)}``, the forward operands each
-        variable is, updated in place (so the caller reads the tags its sub-jaxpr's invars and
-        outvars acquired)."""
+    def _scan(self, jaxpr, tags: dict, transposed: bool, scopes: tuple) -> None:
+        """Walk ``jaxpr``; ``tags``: ``{var: (_Tag, ...)}``, the forward operands each variable is,
+        updated in place (so the caller reads the tags its sub-jaxpr's invars and outvars acquired)."""
         for eqn in jaxpr.eqns:
             inside = transposed or jc.in_transpose(eqn.source_info.name_stack)
+            here = (*scopes, *jc.scope_names(eqn.source_info.name_stack))
             if eqn.primitive in CONTRACTIONS:
+                partners = self._match(eqn, tags, here) if inside else ()
                 if inside:
                     self._transposed.add(id(eqn))
-                partner = self._match(eqn, tags) if inside else None
-                if partner is not None:
-                    self._partner[id(eqn)] = partner
+                if partners:
+                    self._partners[id(eqn)] = partners
                     continue
                 for side, v in enumerate(eqn.invars):
-                    _add(tags, v, ((eqn, side),))
+                    _add(tags, v, (_Tag(eqn, side, False, here),))
             elif eqn.primitive is lax.rev_p:  # the input gradient of a convolution reverses its weight
-                _add(tags, eqn.outvars[0], _read(tags, eqn.invars[0]))
+                flipped = tuple(t._replace(reversed=not t.reversed) for t in _read(tags, eqn.invars[0]))
+                _add(tags, eqn.outvars[0], flipped)
             elif _walk.has_sub_jaxprs(eqn):
-                self._into(eqn, tags, inside)
+                self._into(eqn, tags, inside, here)
 
-    def _into(self, eqn, tags: dict, transposed: bool) -> None:
+    def _into(self, eqn, tags: dict, transposed: bool, scopes: tuple) -> None:
         """Scan ``eqn``'s sub-jaxprs with its operands' tags, then carry back the tags their invars
         and outvars acquired to ``eqn``'s operands and outputs (a residual saved inside a forward
         jit or scan body, read by the backward one)."""
@@ -133,7 +183,7 @@ class Transposes:
             for v, i in zip(j.invars, operands, strict=True):
                 if i is not None:
                     _add(inner, v, _read(tags, eqn.invars[i]))
-            self._scan(j, inner, transposed)
+            self._scan(j, inner, transposed, scopes)
             for v, i in zip(j.invars, operands, strict=True):
                 if i is not None:
                     _add(tags, eqn.invars[i], _read(inner, v))
@@ -142,12 +192,16 @@ class Transposes:
                     _add(tags, eqn.outvars[o], _read(inner, v))
 
     @staticmethod
-    def _match(eqn, tags) -> Partner | None:
-        for residual in (1, 0):
-            for forward, side in _read(tags, eqn.invars[residual]):
-                if _transposes(eqn, residual, forward, side):
-                    return Partner(forward, residual, 1 - side)
-        return None
+    def _match(eqn, tags, scopes: tuple) -> tuple[Partner, ...]:
+        """Every forward candidate of ``eqn``; those under ``eqn``'s own named scopes where any is."""
+        found = [
+            (tag, Partner(tag.forward, residual, 1 - tag.side))
+            for residual in (1, 0)
+            for tag in _read(tags, eqn.invars[residual])
+            if _transposes(eqn, residual, tag)
+        ]
+        same_scope = [p for tag, p in found if tag.scopes == scopes]
+        return tuple(same_scope or [p for _, p in found])
 
 
 class Site(NamedTuple):
@@ -157,8 +211,8 @@ class Site(NamedTuple):
     transposes: Transposes
     eqn: object
 
-    def partner(self) -> Partner | None:
-        return self.transposes.partner_of(self.eqn)
+    def resolve(self):
+        return self.transposes.resolve(self.eqn)
 
     def decide(self, decision) -> None:
         self.transposes.decide(self.eqn, decision)
@@ -173,4 +227,4 @@ def _add(tags: dict, v, new: tuple) -> None:
         return
     old = tags.get(v, ())
     # by identity: equations compare by their params otherwise
-    tags[v] = old + tuple(t for t in new if not any(t[0] is o[0] and t[1] == o[1] for o in old))
+    tags[v] = old + tuple(t for t in new if not any(t[0] is o[0] and t[1:] == o[1:] for o in old))

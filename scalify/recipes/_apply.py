@@ -52,10 +52,13 @@ class RecipeContraction(BindRule):
         return f"RecipeContraction({self.recipe.name!r})"
 
     def bind(self, primitive, invals, params, out_avals, scopes=(), sources=(), site=None):
-        partner = None if site is None else site.partner()
-        if partner is not None:
-            decision = site.transposes.decision_of(partner.forward)
-            return [self._backward(primitive, invals, params, out_avals, scopes, partner, decision)]
+        if _grouped(primitive, params):
+            # A grouped (depthwise) convolution, and its gradients, which JAX also writes as grouped
+            # convolutions: no linear layer's GEMM (torchao and TE convert linear layers only).
+            return [primitive.bind(*invals, **params)]
+        paired = None if site is None else site.resolve()
+        if paired is not None:
+            return [self._backward(primitive, invals, params, out_avals, scopes, *paired)]
         y, decision = self._forward(primitive, *invals, params, out_avals, scopes, sources)
         if site is not None:
             site.decide(decision)
@@ -102,11 +105,18 @@ class RecipeContraction(BindRule):
         # The walker's weight is the program's rhs, or its lhs when it bound the weight first.
         weight = 0 if decision.unswap is not None else 1
         gemm = "wgrad" if partner.grad_of == weight else "dgrad"
+        if self.recipe.out_dtype is not None:  # the custom VJP's cotangent is that of the rounded output
+            g = g.astype(self.recipe.out_dtype)
         if decision.unswap is not None:  # dy in the layout of the contraction the recipe ran
             g = jnp.transpose(g, tuple(int(a) for a in np.argsort(decision.unswap)))
+        # A convolution's input gradient reads its kernel reversed: quantize the kernel itself (its
+        # stochastic rounding draws by position), then reverse it as the program does.
+        spatial = _kernel_spatial_axes(primitive, decision.op) if partner.residual == 1 else ()
+        r = lax.rev(r, spatial) if spatial else r
         gq, rq = transposed_operands(
             self.recipe, decision.op, gemm, tuple(scopes), decision.x_shape, decision.w_shape, g, r
         )
+        rq = lax.rev(rq, spatial) if spatial else rq
         if decision.unswap is not None:
             gq = jnp.transpose(gq, decision.unswap)
         operands = (gq, rq) if partner.residual == 1 else (rq, gq)
@@ -121,6 +131,20 @@ def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:
         return False
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     return len(lc) + len(lb) == lhs_ndim or len(rc) + len(rb) == rhs_ndim
+
+
+def _grouped(primitive, params) -> bool:
+    return primitive is lax.conv_general_dilated_p and (
+        params["feature_group_count"] > 1 or params["batch_group_count"] > 1
+    )
+
+
+def _kernel_spatial_axes(primitive, op) -> tuple[int, ...]:
+    """The spatial axes of the forward convolution ``op``'s kernel (which its input gradient
+    reverses); ``()`` for a ``dot_general``."""
+    if primitive is not lax.conv_general_dilated_p:
+        return ()
+    return tuple(dict(op.params)["dimension_numbers"].rhs_spec[2:])
 
 
 def _contracted(primitive, params) -> tuple[int, ...]:

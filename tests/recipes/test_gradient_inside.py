@@ -134,3 +134,87 @@ def test_a_partial_batch_names_the_convolutions_weight_gradient():
     with pytest.raises(ValueError, match=match):
         recipes.apply(jax.grad(loss), recipes.MXFP8)(k, x)
     recipes.apply(loss, recipes.MXFP8)(k, x)  # the forward sums over 32 channels: it runs
+
+
+def _conv(x, k, **kw):
+    return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), **kw)
+
+
+def _gated(p, x):
+    """A gated MLP: one activation read by two forward contractions of one output shape."""
+    h = jnp.tanh(x @ p["w0"])
+    with jax.named_scope("gate"):
+        g = h @ p["wg"]
+    return jnp.mean((jax.nn.silu(g) * (h @ p["wu"])) ** 2)
+
+
+def _shared_weight(p, x):
+    """One weight read as ``h @ w`` and, bound first, as ``w^T sin(h)^T``."""
+    h = jnp.tanh(x @ p["w0"])
+    b = lax.dot_general(p["w"], jnp.sin(h), (((0,), (1,)), ((), ()))).T
+    return jnp.mean((h @ p["w"] * b) ** 2)
+
+
+def _gram(p, x):
+    h = jnp.tanh(x @ p["w0"])
+    return jnp.mean(lax.dot_general(h, h, (((1,), (1,)), ((), ()))) ** 2)
+
+
+def _remat_convs(p, x):
+    """Rematerialised convolutions whose inputs and outputs share a shape (a ResNet block's)."""
+    block = jax.checkpoint(lambda k, x: jnp.tanh(_conv(x, k)))
+    return jnp.mean(block(p["k2"], block(p["k1"], x)) ** 2)
+
+
+def _grouped_conv(p, x):
+    return jnp.mean(_conv(jnp.tanh(_conv(x, p["k0"])), p["k"], feature_group_count=2) ** 2)
+
+
+_W = {"w0": _data((64, 64), 0, 0.1), "wg": _data((64, 128), 1, 0.1), "wu": _data((64, 128), 2, 0.1)}
+_W["w"] = _data((64, 64), 3, 0.1)
+_K = {"k1": _data((3, 3, 32, 32), 4, 0.1), "k2": _data((3, 3, 32, 32), 5, 0.1)}
+_K["k0"], _K["k"] = _data((3, 3, 32, 64), 6, 0.1), _data((3, 3, 32, 64), 7, 0.1)
+_XI = _data((32, 8, 8, 32), 8)
+HARD = {
+    "gated_gate_kept": (_gated, recipes.FLOAT8_TENSORWISE.replace(high_precision_scopes=("gate",)), _W, X[:, :64]),
+    "shared_weight_bound_first": (_shared_weight, recipes.NVFP4, _W, X[:, :64]),
+    "gram_matrix": (_gram, recipes.NVFP4, _W, X[:, :64]),
+    "rematerialised_convs": (_remat_convs, recipes.NVFP4, _K, _XI),
+    "grouped_conv_kept": (_grouped_conv, recipes.NVFP4, _K, _XI),
+    "out_dtype": (_gated, recipes.NVFP4.replace(out_dtype=jnp.bfloat16), _W, X[:, :64]),
+    "conv_kernel_rounded_stochastically": (
+        lambda p, x: jnp.mean(_conv(jnp.tanh(_conv(x, p["k1"])), p["k2"]) ** 2),
+        recipes.NVFP4.replace(stochastic_rounding=("dgrad_lhs", "wgrad_lhs", "dgrad_rhs")),
+        _K,
+        _XI,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARD))
+def test_hard_pairings_match_the_custom_vjp(name):
+    """Cases found by review (all but the shared weight failed on the first version of the pairing),
+    each bit-identical now: two forward
+    contractions reading one activation with one output shape (told apart by scope), a weight read
+    twice (told apart by dimension numbers), a Gram matrix (the two gradients of one product), a
+    rematerialised convolution under the transposition (not its own input gradient), a grouped
+    convolution (kept in the program's precision, both ways), ``out_dtype`` (the cotangent of the
+    rounded output) and a stochastically rounded kernel read reversed by the input gradient."""
+    loss, recipe, params, x = HARD[name]
+    got = recipes.apply(lambda p, x: jax.value_and_grad(loss)(p, x), recipe)(params, x)
+    _assert_trees_equal(got, jax.value_and_grad(recipes.apply(loss, recipe))(params, x))
+
+
+def test_one_jitted_function_at_two_sites_the_recipe_treats_apart_raises():
+    """A jitted helper traced once, called on a weight (a linear layer) and on two activations:
+    under ``weights_only`` its forward equation is quantized at one site and kept at the other, and
+    its shared backward equations cannot tell which site they serve; an error says so."""
+    mm = jax.jit(lambda a, b: a @ b)
+
+    def loss(p, x):
+        h = jnp.tanh(mm(jnp.tanh(x @ p["w0"]), p["w"]))
+        return jnp.mean(mm(h, jnp.tanh(x @ p["wg"][:, :64]).T @ h / 32.0) ** 2)
+
+    step = recipes.apply(lambda p, x: jax.value_and_grad(loss)(p, x), recipes.MXFP8.replace(weights_only=True))
+    with pytest.raises(ValueError, match=r"several forward contractions .* jax.grad\(recipes.apply\(loss, recipe\)\)"):
+        step(_W, X[:, :64])
