@@ -482,9 +482,12 @@ class _Counting:
     def __exit__(self, *exc):
         self.module.Transposes = self.original
 
+    def totals(self) -> tuple[int, int]:
+        """``(paired, emitted)`` over every program traced."""
+        return sum(c[0] for c in self.counts), sum(c[1] for c in self.counts)
+
     def summary(self) -> str:
-        paired, emitted = (sum(c[i] for c in self.counts) for i in (0, 1))
-        return f"{paired} of {emitted} backward GEMMs paired"
+        return "{} of {} backward GEMMs paired".format(*self.totals())
 
 
 def _float_leaves(tree) -> list:
@@ -537,7 +540,7 @@ def check_recipe(name, examples, rec) -> tuple[str, str]:
 
             new_state = lambda out: out if isinstance(out, TrainState) else out[0]  # vae returns the state alone
             got_trained, expected_trained = trained(new_state(got)), trained(new_state(expected))
-        paired, emitted = (sum(c[i] for c in counting.counts) for i in (0, 1))
+        paired, emitted = counting.totals()
         if paired != emitted:
             raise AssertionError(f"only {counting.summary()}: the others ran in the forward roles")
         for i, (a, b) in enumerate(zip(_float_leaves(got), _float_leaves(expected), strict=True)):

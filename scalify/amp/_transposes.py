@@ -113,9 +113,6 @@ class Transposes:
         candidate, and all it emitted (each equation once)."""
         return len(self._partners), len(self._transposed)
 
-    def partners_of(self, eqn) -> tuple[Partner, ...]:
-        return self._partners.get(id(eqn), ())
-
     def decide(self, eqn, decision) -> None:
         """Record what the recipe made of the forward contraction ``eqn`` (once per distinct
         decision: a jaxpr traced once and called at several sites is walked at each)."""
@@ -128,7 +125,7 @@ class Transposes:
         forward candidate. ``decision`` is ``None`` where the forward kept the program's precision
         (also when no rule bound it: a high-precision scope, ``amp_stop``). Raises ``ValueError``
         when the candidates' outcomes differ."""
-        partners = self.partners_of(eqn)
+        partners = self._partners.get(id(eqn), ())
         if not partners:
             return None
         outcomes: dict = {}

@@ -76,7 +76,8 @@ class RecipeContraction(BindRule):
             # A weight times a vector (a spectral norm's power iteration, W v and u W) is no linear
             # layer's GEMM either: its operand has no token axis to block or scale over.
             return plain()
-        if math.prod(x.shape[a] for a in _contracted(primitive, params)) == 1:
+        aims = Contraction(primitive, tuple(sorted(params.items()))).aims(x.ndim, w.ndim)
+        if math.prod(x.shape[a] for a in aims["fwd_lhs"].contracted) == 1:
             # An outer product (rotary embeddings' positions x frequencies, also written as a matmul
             # summing over one element) is no GEMM of a linear layer; its gradients are reductions
             # against a vector. All three keep the program's precision.
@@ -111,7 +112,7 @@ class RecipeContraction(BindRule):
             g = jnp.transpose(g, tuple(int(a) for a in np.argsort(decision.unswap)))
         # A convolution's input gradient reads its kernel reversed: quantize the kernel itself (its
         # stochastic rounding draws by position), then reverse it as the program does.
-        spatial = _kernel_spatial_axes(primitive, decision.op) if partner.residual == 1 else ()
+        spatial = _kernel_spatial_axes(decision.op) if partner.residual == 1 else ()
         r = lax.rev(r, spatial) if spatial else r
         gq, rq = transposed_operands(
             self.recipe, decision.op, gemm, tuple(scopes), decision.x_shape, decision.w_shape, g, r
@@ -139,19 +140,12 @@ def _grouped(primitive, params) -> bool:
     )
 
 
-def _kernel_spatial_axes(primitive, op) -> tuple[int, ...]:
+def _kernel_spatial_axes(op) -> tuple[int, ...]:
     """The spatial axes of the forward convolution ``op``'s kernel (which its input gradient
     reverses); ``()`` for a ``dot_general``."""
-    if primitive is not lax.conv_general_dilated_p:
+    if op.primitive is not lax.conv_general_dilated_p:
         return ()
     return tuple(dict(op.params)["dimension_numbers"].rhs_spec[2:])
-
-
-def _contracted(primitive, params) -> tuple[int, ...]:
-    """The lhs axes a contraction sums over (a convolution: its input features)."""
-    if primitive is lax.conv_general_dilated_p:
-        return (params["dimension_numbers"].lhs_spec[1],)
-    return tuple(params["dimension_numbers"][0][0])
 
 
 def _rhs_first(params, lhs_ndim: int, rhs_ndim: int):
