@@ -291,8 +291,22 @@ def scope_names(name_stack) -> list[str]:
             names.append(part)
     out = []
     for n in names:
-        out.extend(q for q in n.split("/") if q)
+        out.extend(q for q in n.split("/") if q and q != _RECOMPUTED)
     return out
+
+
+# The scope JAX's remat puts around the forward values a ``jax.checkpoint`` recomputes in the
+# backward pass (jax/_src/ad_checkpoint.py): not a user's scope, so scope_names leaves it out.
+_RECOMPUTED = "rematted_computation"
+
+
+def in_recomputation(name_stack) -> bool:
+    """Whether an equation's name stack says ``jax.checkpoint`` recomputes a forward value with it in
+    the backward pass (it sits inside the transposition, but computes the forward's math)."""
+    stack = getattr(name_stack, "stack", None)
+    if stack is not None and _siu is not None:
+        return any(isinstance(e, _siu.Scope) and e.name == _RECOMPUTED for e in stack)
+    return _RECOMPUTED in str(name_stack).split("/")
 
 
 def in_transpose(name_stack) -> bool:

@@ -669,11 +669,22 @@ def _common_scale(scales, *, combine, floor, mode):
 
 
 class _Static:
-    """Marker scale of a static non-zero fill under a max alignment: it adopts the common scale of
-    the scaled operands, raised to ``floor`` where the fill would not fit the carrier otherwise."""
+    """Marker scale of a fill under a max alignment: it adopts the common scale of the scaled
+    operands, raised to ``floor`` where the fill would not fit the carrier otherwise. ``value`` and
+    ``floor`` are Python floats for a static fill, traced 0-d float32 for a runtime one."""
 
-    def __init__(self, value: float, floor: float):
+    def __init__(self, value, floor):
         self.value, self.floor = value, floor
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.floor, float)
+
+    def data_like(self, data):
+        """The fill as float32 data of ``data``'s shape."""
+        if self.static:
+            return lax.full_like(data, self.value, F32)
+        return lax.broadcast_in_dim(self.value, jnp.shape(data), (), out_sharding=explicit_sharding(data))
 
 
 def _static_floor(v: float, dtype) -> float:
@@ -685,15 +696,28 @@ def _static_floor(v: float, dtype) -> float:
     return pow2_ceil_np(q) if q >= float(np.finfo(np.float32).tiny) else 0.0
 
 
+def _runtime_floor(v, dtype):
+    """:func:`_static_floor` of a traced 0-d ``v``; the smallest normal float32 where it would be 0."""
+    q = lax.div(lax.abs(v), np.float32(float(jnp.finfo(dtype).max) / 4))
+    q = lax.max(finite_or_zero(q), np.float32(np.finfo(np.float32).tiny))
+    return pow2_round_up(q)
+
+
 def _adopting(x, dtype):
-    """Promotion under a max alignment (select, max, min, clamp): a static fill (``-1e38`` of an
-    attention mask, ``finfo.min``, ``inf``) must not set the common scale, else a scaled operand's
-    data would be shifted by up to 2^-127 and flushed; it takes the others' scale instead."""
+    """Promotion under a max alignment (select, max, min, clamp): a fill (``-1e38`` of an attention
+    mask, ``finfo.min``, ``inf``) must not set the common scale, else a scaled operand's data would
+    be shifted by up to 2^-127 and flushed; it takes the others' scale instead. So does a runtime
+    fill (a mask value that is a model's array, traced under ``jit`` or ``jax.checkpoint``)."""
     v = static_scalar(x)
-    if v is None or v == 0.0:
+    rv = runtime_fill(x) if v is None else None
+    if (v is None and rv is None) or v == 0.0:
         return promote(x)
     arr = jnp.asarray(x)
-    return ScaledArray(arr, _Static(v, _static_floor(v, dtype or arr.dtype)))
+    carrier = dtype or arr.dtype
+    if rv is not None:
+        rv = cast(rv, F32)
+        return ScaledArray(arr, _Static(rv, _runtime_floor(rv, carrier)))
+    return ScaledArray(arr, _Static(v, _static_floor(v, carrier)))
 
 
 def _is_marker(scale) -> bool:
@@ -726,35 +750,41 @@ def align(xs, combine=combine_max, *, dtype=None, finite=False):
         ps = [p if p is keep or _is_marker(p.scale) else fold(p) for p in ps]
         grid_shape = _grid_shapes_compatible(ps)
     live = [p for p in ps if not _is_marker(p.scale)]
-    floor = max([p.scale.floor for p in ps if isinstance(p.scale, _Static)], default=0.0)
-    if len(live) == 1 and not floor and not (finite and len(ps) > 1):
+    fills = [p.scale for p in ps if isinstance(p.scale, _Static)]
+    floor = max([f.floor for f in fills if f.static], default=0.0)
+    runtime_floors = [f.floor for f in fills if not f.static]
+    if len(live) == 1 and not floor and not runtime_floors and not (finite and len(ps) > 1):
         common, ratios = live[0].scale, (None,)
     elif not live:
         common, ratios = jnp.ones((), F32), ()
     else:
         scales = tuple(jnp.broadcast_to(p.scale, grid_shape) if grid_shape else p.scale for p in live)
-        common, ratios = _common_scale(scales, combine=combine, floor=floor)
+        # A runtime fill's floor joins the maximum as one more scale; its own ratio is not needed.
+        extra = tuple(jnp.broadcast_to(f, grid_shape) if grid_shape else f for f in runtime_floors)
+        common, ratios = _common_scale(scales + extra, combine=combine, floor=floor)
+        ratios = ratios[: len(scales)]
     ratio_of = dict(zip(map(id, live), ratios, strict=True))
     out_shape = None
     datas = []
     for p in ps:
         dt = p.data.dtype if dtype is None else dtype
         if isinstance(p.scale, _Static):
-            # The fill's data is v / common, in float32 (common is a power of two: exact).
-            ratio, data = lax.div(np.float32(1.0), cast(common, F32)), lax.full_like(p.data, p.scale.value, F32)
+            # The fill's data is v / common, a division: 1 / common is subnormal for a common scale
+            # above 2^126, which XLA flushes to zero (and -inf * 0 is NaN).
+            op, factor, data = lax.div, cast(common, F32), p.scale.data_like(p.data)
         else:
-            ratio, data = ratio_of.get(id(p)), p.data
-        if ratio is None:
+            op, factor, data = lax.mul, ratio_of.get(id(p)), p.data
+        if factor is None:
             datas.append(cast(data, dt))
             continue
-        if jnp.ndim(ratio) > 0 and (
-            data.ndim != ratio.ndim or any(g > n for g, n in zip(ratio.shape, data.shape, strict=True))
+        if jnp.ndim(factor) > 0 and (
+            data.ndim != factor.ndim or any(g > n for g, n in zip(factor.shape, data.shape, strict=True))
         ):
             # Scalar operands and the implicit size-1 broadcasting of lax binary ops: a block
             # grid needs the data at the output shape.
             out_shape = out_shape or np.broadcast_shapes(*[q.data.shape for q in ps])
             data = jnp.broadcast_to(data, out_shape)
-        datas.append(rescale(data, ratio, dt))
+        datas.append(cast(op(cast(data, F32), expand_scale(factor, data.shape)), dt))
     return datas, common
 
 

@@ -17,7 +17,17 @@ output and the dimension numbers the rule gives, transposes it.
 One operand can feed several forward contractions of one output shape (a gated MLP's gate and up
 projections read the same activations): the candidates whose ``jax.named_scope`` path is the
 backward contraction's are preferred, and where several remain they must agree on what the recipe
-made of them. :class:`Transposes` finds the candidates once per call, before the walk; the walker
+made of them.
+
+Under ``jax.checkpoint`` the backward pass recomputes the forward values it needs (JAX scopes
+them ``rematted_computation``): those contractions are forward ones. A forward contraction whose
+output the backward pass does not need (a layer's last projection, before a residual add) is not
+recomputed, so the recomputed activation its weight gradient reads is read by no forward
+contraction of that program; such a backward contraction is paired with the forward contractions
+whose operand shapes and dimension numbers it transposes (named scopes preferred, outcomes
+required to agree, as above).
+
+:class:`Transposes` finds the candidates once per call, before the walk; the walker
 records, at each forward contraction, what the recipe made of it (:meth:`Transposes.decide`), and
 a backward contraction reads the outcome (:meth:`Transposes.resolve`).
 """
@@ -104,6 +114,9 @@ class Transposes:
         # ids of the contractions the transposition emitted: those without a partner are a user's
         # own backward rule, or a pairing this module misses
         self._transposed: set[int] = set()
+        # forward contractions with their scope paths, and the values remat recomputed, in program order
+        self._forwards: list[tuple[object, tuple]] = []
+        self._recomputed: set = set()
         self._closed = closed
         self._scan(closed.jaxpr, {}, False, ())
 
@@ -151,15 +164,19 @@ class Transposes:
         """Walk ``jaxpr``; ``tags``: ``{var: (_Tag, ...)}``, the forward operands each variable is,
         updated in place (so the caller reads the tags its sub-jaxpr's invars and outvars acquired)."""
         for eqn in jaxpr.eqns:
-            inside = transposed or jc.in_transpose(eqn.source_info.name_stack)
+            recomputed = jc.in_recomputation(eqn.source_info.name_stack)
+            inside = (transposed or jc.in_transpose(eqn.source_info.name_stack)) and not recomputed
             here = (*scopes, *jc.scope_names(eqn.source_info.name_stack))
+            if recomputed:
+                self._recomputed.update(v for v in eqn.outvars if not isinstance(v, jc.Literal))
             if eqn.primitive in CONTRACTIONS:
-                partners = self._match(eqn, tags, here) if inside else ()
+                partners = (self._match(eqn, tags, here) or self._match_recomputed(eqn, here)) if inside else ()
                 if inside:
                     self._transposed.add(id(eqn))
                 if partners:
                     self._partners[id(eqn)] = partners
                     continue
+                self._forwards.append((eqn, here))
                 for side, v in enumerate(eqn.invars):
                     _add(tags, v, (_Tag(eqn, side, False, here),))
             elif eqn.primitive is lax.rev_p:  # the input gradient of a convolution reverses its weight
@@ -196,6 +213,20 @@ class Transposes:
             for residual in (1, 0)
             for tag in _read(tags, eqn.invars[residual])
             if _transposes(eqn, residual, tag)
+        ]
+        same_scope = [p for tag, p in found if tag.scopes == scopes]
+        return tuple(same_scope or [p for _, p in found])
+
+    def _match_recomputed(self, eqn, scopes: tuple) -> tuple[Partner, ...]:
+        """The forward candidates of ``eqn`` by shapes and dimension numbers alone, where its residual
+        operand is a value remat recomputed that no recomputed forward contraction reads."""
+        found = [
+            (tag, Partner(forward, residual, 1 - side))
+            for residual in (1, 0)
+            if not isinstance(eqn.invars[residual], jc.Literal) and eqn.invars[residual] in self._recomputed
+            for forward, where in self._forwards
+            for side in (0, 1)
+            if _transposes(eqn, residual, tag := _Tag(forward, side, False, where))
         ]
         same_scope = [p for tag, p in found if tag.scopes == scopes]
         return tuple(same_scope or [p for _, p in found])

@@ -166,6 +166,14 @@ def _remat_convs(p, x):
     return jnp.mean(block(p["k2"], block(p["k1"], x)) ** 2)
 
 
+def _remat_residual(p, x):
+    """Checkpointed residual blocks (penzai's ``Checkpointed``, a LoRA's ``(h A) B``): the last
+    projection's output is not needed by the backward pass, so remat recomputes the activation its
+    weight gradient reads but not the projection itself, and no recomputed contraction reads it."""
+    block = jax.checkpoint(lambda a, b, h: h + (jnp.tanh(h) @ a) @ b)
+    return jnp.mean(jnp.tanh(block(p["w0"], p["w"], block(p["wg"][:, :64], p["wu"][:, :64], x))) ** 2)
+
+
 def _grouped_conv(p, x):
     return jnp.mean(_conv(jnp.tanh(_conv(x, p["k0"])), p["k"], feature_group_count=2) ** 2)
 
@@ -181,6 +189,8 @@ HARD = {
     "gram_matrix": (_gram, recipes.NVFP4, _W, X[:, :64]),
     "rematerialised_convs": (_remat_convs, recipes.NVFP4, _K, _XI),
     "grouped_conv_kept": (_grouped_conv, recipes.NVFP4, _K, _XI),
+    "remat_residual_float8": (_remat_residual, recipes.FLOAT8_TENSORWISE, _W, X[:, :64]),
+    "remat_residual_nvfp4": (_remat_residual, recipes.NVFP4, _W, X[:, :64]),
     "out_dtype": (_gated, recipes.NVFP4.replace(out_dtype=jnp.bfloat16), _W, X[:, :64]),
     "conv_kernel_rounded_stochastically": (
         lambda p, x: jnp.mean(_conv(jnp.tanh(_conv(x, p["k1"])), p["k2"]) ** 2),
@@ -199,7 +209,9 @@ def test_hard_pairings_match_the_custom_vjp(name):
     twice (told apart by dimension numbers), a Gram matrix (the two gradients of one product), a
     rematerialised convolution under the transposition (not its own input gradient), a grouped
     convolution (kept in the program's precision, both ways), ``out_dtype`` (the cotangent of the
-    rounded output) and a stochastically rounded kernel read reversed by the input gradient."""
+    rounded output) and a stochastically rounded kernel read reversed by the input gradient; then
+    (found on penzai's checkpointed blocks) a weight gradient reading an activation remat recomputed
+    for it alone."""
     loss, recipe, params, x = HARD[name]
     got = recipes.apply(lambda p, x: jax.value_and_grad(loss)(p, x), recipe)(params, x)
     _assert_trees_equal(got, jax.value_and_grad(recipes.apply(loss, recipe))(params, x))
@@ -218,3 +230,14 @@ def test_one_jitted_function_at_two_sites_the_recipe_treats_apart_raises():
     step = recipes.apply(lambda p, x: jax.value_and_grad(loss)(p, x), recipes.MXFP8.replace(weights_only=True))
     with pytest.raises(ValueError, match=r"several forward contractions .* jax.grad\(recipes.apply\(loss, recipe\)\)"):
         step(_W, X[:, :64])
+
+
+def test_remat_recomputations_are_forward_contractions():
+    """Under ``jax.checkpoint`` the backward pass recomputes forward contractions (JAX scopes them
+    ``rematted_computation``): they are forward GEMMs, not backward ones left unpaired. The two
+    checkpointed blocks of ``_remat_residual`` have 7 backward GEMMs (each weight's gradient, the
+    input gradients but the first block's), all paired."""
+    from scalify.amp._transposes import Transposes
+
+    closed = jax.make_jaxpr(jax.grad(_remat_residual))(_W, X[:, :64])
+    assert Transposes(closed).counts == (7, 7)

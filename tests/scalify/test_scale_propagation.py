@@ -68,6 +68,29 @@ def test_static_fill_in_where_takes_the_scale_of_the_other_branch(fill, scale):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("fill", [-2.3819763e38, float(np.finfo(np.float32).min), -1e30, -np.inf, 1e38])
+@pytest.mark.parametrize("scale", [2.0**-30, 0.25, 2.0**30])
+@pytest.mark.parametrize("wrap", ["argument", "checkpoint"])
+def test_runtime_fill_in_where_takes_the_scale_of_the_other_branch(fill, scale, wrap):
+    """The mask value as a traced scalar: a model's own array (penzai's attention mask holds
+    -2.38e38 as a leaf), an argument of the jitted function, or traced again by ``jax.checkpoint``
+    (penzai's ``Checkpointed``). Its power of two set the common scale (2^127): the logits' data
+    was flushed to zero, the softmax came out uniform or, after ``jax.nn.softmax``'s own ``max(-inf,
+    .)`` took 1 / 2^127 (subnormal, flushed), NaN."""
+    x = _carrier(RNG.normal(size=(4, 6)), scale)
+    mask = jnp.asarray(np.tril(np.ones((4, 6), bool)))
+    mask = mask.at[3].set(False)  # a fully masked row
+
+    def f(v, fill):
+        return jax.nn.softmax(jnp.where(mask, v, fill), axis=-1)
+
+    g = jax.checkpoint(f) if wrap == "checkpoint" else f
+    ref = np.asarray(f(x.to_array(), fill))
+    for wrap_fn in MODES.values():
+        got = np.asarray(wrap_fn(jsa.scalify(g))(x, jnp.float32(fill)).to_array())
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
 def test_float16_finfo_min_fill():
     x = _carrier(RNG.normal(size=(4, 4)), 2.0**-8, jnp.float16)
     mask = jnp.asarray(np.tril(np.ones((4, 4), bool)))
