@@ -36,6 +36,7 @@ cond_p = prims.cond_p
 while_p = prims.while_p
 scan_p = prims.scan_p
 remat_p = prims.remat_p
+name_p = prims.name_p  # jax.ad_checkpoint.checkpoint_name
 closed_call_p = prims.closed_call_p
 add_any_p = prims.add_jaxvals_p
 jaxprs_in_params = jex.jaxprs_in_params
@@ -68,6 +69,7 @@ reduce_scatter_p = _private(_PAR, "reduce_scatter_p")  # psum_scatter
 pvary_p = _private("jax._src.core", "pvary_p") or _private(_PAR, "pvary_p")
 _PJIT = "jax._src.pjit"
 sharding_constraint_p = getattr(prims, "sharding_constraint_p", None) or _private(_PJIT, "sharding_constraint_p")
+device_put_p = getattr(prims, "device_put_p", None) or _private("jax._src.dispatch", "device_put_p")
 reshard_p = _private(_PJIT, "reshard_p")
 
 

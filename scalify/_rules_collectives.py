@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from scalify._interpreter import eval_closed, trace_logical
 from scalify._jax_compat import (
     all_gather_p,
     all_to_all_p,
     bind_eqn,
+    device_put_p,
     pmax_p,
     pmin_p,
     ppermute_p,
@@ -44,7 +45,7 @@ from scalify._jax_compat import (
     sharding_constraint_p,
     varying_axes,
 )
-from scalify._registry import register_rule
+from scalify._registry import ScalifyUnsupportedError, register_rule
 from scalify._rules_common import F32, fold, per_tensor, rescale, safe_scale, sqrt_rescale
 from scalify._scaled_array import ScaledArray, normalize_scale, to_carrier
 
@@ -399,3 +400,46 @@ if reshard_p is not None:
         "commuting",
         "reshard of data; the scale gets the matching layout (scaled_sharding). Carrier.",
     )(_annotate("dst_sharding"))
+
+
+def _scale_target(x: ScaledArray, target):
+    """Where ``x.scale`` goes when ``x``'s value goes to ``target`` (``jax.device_put``'s device, memory
+    space, sharding or None): a sharding's layout matched to the blocks, in the same memory kind;
+    anything else as it is."""
+    if isinstance(target, NamedSharding):
+        scale = _scale_annotation(x, target)
+        return NamedSharding(scale.mesh, scale.spec, memory_kind=target.memory_kind)
+    if isinstance(target, Sharding) and not target.is_fully_replicated:
+        raise ScalifyUnsupportedError(
+            f"jax.device_put of a ScaledArray onto a {type(target).__name__} (sharded, not a NamedSharding): "
+            "its scale cannot be laid out like its blocks. Use a NamedSharding, or scalify.device_put outside "
+            "the function."
+        )
+    return target
+
+
+if device_put_p is not None:
+
+    @register_rule(
+        [device_put_p],
+        "commuting",
+        "data and scale to the same device or memory space (a remat policy's host offload); a sharding's "
+        "scale gets the matching layout (scaled_sharding). Carrier.",
+    )
+    def _device_put(eqn, *xs):
+        flat, devices, srcs, copies = [], [], [], []
+        params = eqn.params
+        for x, dev, src, copy in zip(xs, params["devices"], params["srcs"], params["copy_semantics"], strict=True):
+            if isinstance(x, ScaledArray):
+                flat += [x.data, x.scale]
+                devices += [dev, _scale_target(x, dev)]
+                srcs += [src, _scale_target(x, src)]
+                copies += [copy, copy]
+            else:
+                flat.append(x)
+                devices.append(dev)
+                srcs.append(src)
+                copies.append(copy)
+        with eqn.ctx.manager:
+            out = iter(device_put_p.bind(*flat, devices=tuple(devices), srcs=tuple(srcs), copy_semantics=tuple(copies)))
+        return [ScaledArray(next(out), next(out)) if isinstance(x, ScaledArray) else next(out) for x in xs]

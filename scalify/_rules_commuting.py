@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, p
+from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, name_p, p
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
@@ -329,3 +329,12 @@ if _barrier is not None:
     def _optimization_barrier(eqn, *xs):
         flat, tree = jax.tree.flatten(list(xs))
         return jax.tree.unflatten(tree, list(_barrier.bind(*flat)))
+
+
+@register_rule(
+    name_p, "commuting", "checkpoint_name on the data and on the scale: a remat policy that saves the name saves both."
+)
+def _checkpoint_name(eqn, x):
+    (data,) = bind_eqn(eqn, [x.data])
+    (scale,) = bind_eqn(eqn, [x.scale])
+    return ScaledArray(data, scale)

@@ -29,7 +29,7 @@ from jax import lax
 
 from scalify import _contraction
 from scalify._config import get_config
-from scalify._jax_compat import bind_eqn, bind_eqn_with, p
+from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, p
 from scalify._pow2 import is_pow2
 from scalify._registry import register_rule
 from scalify._rules_common import (
@@ -390,3 +390,23 @@ def _carrier(eqn, a: ScaledArray, b: ScaledArray):
     """The carrier dtype of a contraction's output: the requested accumulator type, else the
     operands' data dtype (promoted), as the plain program on the data would return."""
     return eqn.params.get("preferred_element_type") or jnp.result_type(a.data.dtype, b.data.dtype)
+
+
+_ragged_dot_p = lax_primitive("ragged_dot_general")
+if _ragged_dot_p is not None:
+
+    @register_rule(
+        _ragged_dot_p,
+        "multiplicative",
+        "a grouped GEMM (lax.ragged_dot: a mixture of experts' expert bank): operands dequantized in float32, "
+        "one ragged_dot with f32 accumulation (the blocked sum up to accumulation order), settled.",
+    )
+    def _ragged_dot(eqn, lhs, rhs, group_sizes):
+        """``ragged_dot_general`` of the dequantized operands: each element times its block scale is
+        exact in float32 for every built-in codec, so this is the blocked sum per group up to the
+        order of float32 accumulation."""
+        if isinstance(group_sizes, ScaledArray):
+            group_sizes = dequant(group_sizes)
+        params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
+        out = _ragged_dot_p.bind(dequant(lhs), dequant(rhs), group_sizes, **params)
+        return _finish(out, eqn.outvars[0].aval.dtype)

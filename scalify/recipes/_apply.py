@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify._jax_compat import lax_primitive
 from scalify.amp._interpreter import amp
 from scalify.amp._policy import BindRule, use_original_precision
 from scalify.recipes._builtins import get_recipe
@@ -161,10 +162,39 @@ def _rhs_first(params, lhs_ndim: int, rhs_ndim: int):
     return swapped, (*range(nb), *range(nb + rf, nb + rf + lf), *range(nb, nb + rf))
 
 
+class Uncovered(BindRule):
+    """A GEMM the recipe has no roles for: a grouped GEMM (``lax.ragged_dot``, a mixture of
+    experts' expert bank). Left alone it would run in the program's precision, so it raises,
+    naming the ways to keep it there deliberately."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def __repr__(self):
+        return f"Uncovered({self.recipe.name!r})"
+
+    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=(), site=None):
+        if not all(_is_float(x) for x in invals[:2]):
+            return [primitive.bind(*invals, **params)]
+        where = "/".join(scopes) or "no scope"
+        raise ValueError(
+            f"recipe {self.recipe.name!r} has no GEMM roles for {primitive.name} (at {where}: lax.ragged_dot, "
+            "a grouped GEMM such as a mixture of experts' expert bank), which would run in the program's "
+            "precision. Keep it there deliberately with recipe.replace(high_precision_scopes=(NAME,)), NAME "
+            "one of the scopes above (wrap it in a jax.named_scope if it has none), or write the experts as "
+            "dot_general (jnp.einsum over a one-hot or gathered expert axis), which the recipe quantizes."
+        )
+
+
+# Contractions with no roles in a recipe (see Uncovered); present on the JAX versions that have them.
+_UNCOVERED = tuple(q for q in (lax_primitive("ragged_dot_general"),) if q is not None)
+
+
 def policy(recipe: Recipe) -> dict:
     """The amp policy that applies ``recipe``."""
     rule = RecipeContraction(recipe)
     out = {lax.dot_general_p: rule, lax.conv_general_dilated_p: rule}
+    out.update({q: Uncovered(recipe) for q in _UNCOVERED})
     out.update({scope: use_original_precision for scope in recipe.high_precision_scopes})
     return out
 

@@ -159,3 +159,28 @@ def test_sharding_constraint_lays_out_the_scale_with_its_blocks(axes):
     assert out.scale.sharding.is_equivalent_to(NamedSharding(mesh, want), out.scale.ndim)
     assert not out.scale.sharding.is_fully_replicated
     np.testing.assert_array_equal(np.asarray(out), 2.0 * np.asarray(sx))
+
+
+@pytest.mark.parametrize("axes", AXES)
+def test_device_put_inside_scalify_lays_out_the_scale_with_its_blocks(axes):
+    """``jax.device_put(x, NamedSharding)`` inside the scalified function (a layout written in the
+    model) moves the block scales with their blocks, as ``with_sharding_constraint`` does: the
+    rule puts the scale on the matching sharding; on an explicit mesh the output keeps it (on an
+    auto mesh XLA chooses the jitted output's layout, for plain arrays too)."""
+    mesh = mesh_2x4(axes)
+    spec = P("d", None)
+    sx = jsa.as_scaled_array(_x((64, 128)), fmt=qf.MXFP8)
+
+    def f(v):
+        return jax.device_put(v * 2.0, NamedSharding(mesh, spec))
+
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jsa.scalify(f))(sx)
+        out = jax.jit(jsa.scalify(f))(sx)
+    (put,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "device_put"]
+    want = NamedSharding(mesh, scaled_sharding(out, spec, mesh=mesh).scale)
+    assert put.params["devices"][0].is_equivalent_to(NamedSharding(mesh, spec), 2)
+    assert put.params["devices"][1].is_equivalent_to(want, 2) and not want.is_fully_replicated
+    if explicit(mesh):
+        assert out.scale.sharding.is_equivalent_to(want, out.scale.ndim)
+    np.testing.assert_array_equal(np.asarray(out), 2.0 * np.asarray(sx))

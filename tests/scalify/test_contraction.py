@@ -297,3 +297,33 @@ def test_data_movement_of_formatted_arrays(name, move):
         assert out.fmt == fmt
         moved = np.ascontiguousarray(MOVES[move](np.asarray(x.data)))
         assert np.asarray(out.data).tobytes() == moved.tobytes()
+
+
+def _ragged_reference(x, w, sizes):
+    """float64 ragged_dot: rows of group ``g`` (consecutive, ``sizes[g]`` of them) times ``w[g]``."""
+    out, start = np.zeros((x.shape[0], w.shape[2])), 0
+    for g, n in enumerate(sizes):
+        out[start : start + n] = x[start : start + n] @ w[g]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp8_e4m3", "int8_per_channel", "mxfp8", "mxfp4", "mxint8", "nvfp4"])
+def test_ragged_dot(name):
+    """``lax.ragged_dot`` (a mixture of experts' grouped expert GEMM) of formatted tokens and
+    expert weights, both blocked along the contracted axis, against float64 per group; and its
+    gradient (JAX's transpose: a ragged_dot for the tokens, a grouped contraction for the weights)
+    against float32's on the dequantized operands. It had no rule."""
+    fmt = qf.get_format(name)
+    sizes = (64, 32, 0, 32)  # an expert with no tokens
+    x, w = _data((128, 64), 4), _data((4, 64, 32), 5)
+    a, b = _scaled(x, fmt, 1, 0), _scaled(w, fmt, 1, 2)
+    gs = jnp.asarray(sizes, jnp.int32)
+    f = lambda a, b: lax.ragged_dot(a, b, gs)
+    _check(_run(f, "auto", a, b), a, b, lambda p, q: _ragged_reference(p, q, sizes), 64)
+    loss = lambda a, b: jnp.sum(jnp.tanh(f(a, b)) ** 2)
+    got = jax.jit(jsa.scalify(jax.grad(loss, argnums=(0, 1))))(a, b)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(a.to_array(jnp.float32), b.to_array(jnp.float32))
+    for g, r in zip(got, want, strict=True):
+        g = np.asarray(g.to_array(jnp.float32) if isinstance(g, jsa.ScaledArray) else g)
+        np.testing.assert_allclose(g, np.asarray(r), rtol=0, atol=1e-5 * float(np.max(np.abs(r))))

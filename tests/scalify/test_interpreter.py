@@ -178,6 +178,50 @@ def test_nested_jit_cond_while_scan_remat(fmt_name):
     check_against_dequantized(jax.jit(f), sx, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt_name", ["mxfp8", "int8_per_channel"])
+@pytest.mark.parametrize("how", ["offload_policy", "memory_space"])
+def test_device_put_moves_data_and_scale(fmt_name, how):
+    """``jax.device_put`` inside the function: a remat policy that offloads its named residuals to
+    host memory (MaxText's ``offload`` policies), and a round trip through host memory written out.
+    It had no rule (``ScalifyUnsupportedError``) for a scaled operand."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    w = make_scaled(jnp.asarray(RNG.standard_normal((32, 32)), jnp.float32), FORMATS[fmt_name])
+    if how == "offload_policy":
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["proj"],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+        block = jax.checkpoint(lambda w, x: jnp.tanh(checkpoint_name(x @ w, "proj")) @ w, policy=policy)
+        f = jax.grad(lambda w, x: jnp.sum(block(w, block(w, x)) ** 2))
+    else:
+
+        def f(w, x):
+            host = jax.device_put(w, jax.memory.Space.Host)
+            return jnp.tanh(x @ jax.device_put(host, jax.memory.Space.Device))
+
+    check_against_dequantized(jax.jit(f), w, X, rtol=1e-5)
+
+
+def test_checkpoint_name_is_kept_on_data_and_scale(capsys):
+    """``checkpoint_name`` on a scaled value names its data and its scale, so a remat policy that
+    saves that name (``save_only_these_names``, MaxText's and flax's policies) saves both, under
+    ``jax.grad(scalify(f))``. It ran through its implementation, which drops the name: nothing
+    was saved by name and the policy recomputed it."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    w = make_scaled(jnp.asarray(RNG.standard_normal((32, 32)), jnp.float32), FORMATS["mxfp8"])
+    policy = jax.checkpoint_policies.save_only_these_names("proj")
+    block = jax.checkpoint(lambda w, x: jnp.tanh(checkpoint_name(x @ w, "proj")) @ w, policy=policy)
+    loss = lambda w, x: jnp.sum(block(w, x) ** 2)
+    jax.ad_checkpoint.print_saved_residuals(jsa.scalify(loss), w, X)
+    named = [line for line in capsys.readouterr().out.splitlines() if "named 'proj'" in line]
+    assert len(named) == 2 and any("f32[4,32]" in line for line in named), named
+    check_against_dequantized(jax.jit(jax.grad(loss)), w, X, rtol=1e-5)
+
+
 def test_nested_jit_kept_in_program():
     sx = make_scaled(X, None)
     inner = jax.jit(lambda v: v * 2.0)

@@ -1,4 +1,4 @@
-"""Harness for models written by other libraries (flax, equinox, keras, haiku, Gemma-style).
+"""Harness for models written by other libraries (flax, equinox, keras, haiku, penzai, Gemma-style).
 
 Every test module builds a tiny configuration of a real model with the library's own layers and
 initialisers, then hands a :class:`Case` to the checks below, parametrized over every registered
@@ -76,6 +76,7 @@ STEP_ROTATION = {
     "test_gemma": ("mxfp8_e5m2", "mxfp6_e2m3"),
     "test_keras": ("fp8_e5m2", "mxfp6_e2m3", "mxint8"),
     "test_haiku": ("bf16", "mxfp8_e5m2", "mxfp6_e3m2"),
+    "test_penzai": ("fp8_e5m2", "mxfp6_e3m2"),
 }
 STEP_TESTS = ("test_grad", "test_adam_update")
 
