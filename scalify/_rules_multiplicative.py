@@ -197,9 +197,11 @@ def _finish(value_f32, dtype):
     return _contraction.output_format(settle(value_f32, jnp.ones((), F32), dtype), dtype)
 
 
-def _dequant_dot(eqn, a, b):
+def _dequant_dot(eqn, a, b, *rest):
+    """``eqn``'s contraction (``dot_general``, ``ragged_dot_general`` with its group sizes in
+    ``rest``) of the dequantized operands, accumulated in float32."""
     params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
-    out = lax.dot_general_p.bind(dequant(a), dequant(b), **params)
+    out = eqn.primitive.bind(dequant(a), dequant(b), *rest, **params)
     return _finish(out, eqn.outvars[0].aval.dtype)
 
 
@@ -407,6 +409,4 @@ if _ragged_dot_p is not None:
         order of float32 accumulation."""
         if isinstance(group_sizes, ScaledArray):
             group_sizes = dequant(group_sizes)
-        params = dict(eqn.params, preferred_element_type=_F32_DTYPE)
-        out = _ragged_dot_p.bind(dequant(lhs), dequant(rhs), group_sizes, **params)
-        return _finish(out, eqn.outvars[0].aval.dtype)
+        return _dequant_dot(eqn, lhs, rhs, group_sizes)

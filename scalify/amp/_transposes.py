@@ -214,8 +214,7 @@ class Transposes:
             for tag in _read(tags, eqn.invars[residual])
             if _transposes(eqn, residual, tag)
         ]
-        same_scope = [p for tag, p in found if tag.scopes == scopes]
-        return tuple(same_scope or [p for _, p in found])
+        return _prefer_scope(found, scopes)
 
     def _match_recomputed(self, eqn, scopes: tuple) -> tuple[Partner, ...]:
         """The forward candidates of ``eqn`` by shapes and dimension numbers alone, where its residual
@@ -228,8 +227,13 @@ class Transposes:
             for side in (0, 1)
             if _transposes(eqn, residual, tag := _Tag(forward, side, False, where))
         ]
-        same_scope = [p for tag, p in found if tag.scopes == scopes]
-        return tuple(same_scope or [p for _, p in found])
+        return _prefer_scope(found, scopes)
+
+
+def _prefer_scope(found, scopes: tuple) -> tuple[Partner, ...]:
+    """The partners of ``found`` (``(tag, partner)`` pairs) under ``scopes`` where any is, else all."""
+    same_scope = [p for tag, p in found if tag.scopes == scopes]
+    return tuple(same_scope or [p for _, p in found])
 
 
 class Site(NamedTuple):

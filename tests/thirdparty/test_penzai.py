@@ -24,7 +24,7 @@ tolerance, see ``thirdparty_harness.py``):
 Found by this suite (regressions in ``tests/scalify/test_scale_propagation.py`` and
 ``tests/recipes/test_gradient_inside.py``): penzai's attention mask value is a model array, so
 under ``jax.checkpoint``, under ``jit`` with the model as an argument, or in bfloat16 it is a traced
-scalar, whose power of two set the masked logits' common scale to 2^127 (every loss NaN); and under
+scalar, whose power of two set the masked logits' common scale to 2^127 (losses NaN); and under
 ``Checkpointed`` the weight gradient of each MLP's output projection read an activation remat
 recomputed for it alone (the projection itself is not recomputed: its output feeds the residual
 add), so the recipe ran it in the forward roles (E4M3 for the gradient where the recipe says E5M2;
