@@ -55,23 +55,25 @@ def gpt_block_params():
     return {k: jnp.asarray(make_data("gaussian", s, seed=i) / np.sqrt(s[0])) for i, (k, s) in enumerate(shapes.items())}
 
 
-class GPTBlockRecipeStep:
+class _RecipeStep:
+    """A loss's forward + backward under each built-in recipe against the same jitted float32 step;
+    subclasses give ``loss`` and ``make_args``."""
+
     params = (RECIPE_NAMES,)
     param_names = ("recipe",)
     timeout = 600
 
     def setup(self, name):
         import jax
-        import jax.numpy as jnp
 
         from scalify import recipes
 
         recipe = _recipes().get(name)
         if recipe is None:
             raise NotImplementedError("scalify.recipes is not importable")
-        self.args = (gpt_block_params(), jnp.asarray(make_data("gaussian", (BATCH, SEQ, D_MODEL), seed=99)))
-        self.plain = jax.jit(jax.value_and_grad(gpt_block_loss))
-        self.recipe = jax.jit(jax.value_and_grad(recipes.apply(gpt_block_loss, recipe)))
+        self.args = self.make_args()
+        self.plain = jax.jit(jax.value_and_grad(self.loss))
+        self.recipe = jax.jit(jax.value_and_grad(recipes.apply(self.loss, recipe)))
         block(self.plain(*self.args))
         block(self.recipe(*self.args))
 
@@ -85,3 +87,47 @@ class GPTBlockRecipeStep:
         return interleaved_ratio(self.recipe, self.args, self.plain, self.args, 9)
 
     track_step_ratio.unit = "ratio"
+
+
+class GPTBlockRecipeStep(_RecipeStep):
+    loss = staticmethod(gpt_block_loss)
+
+    @staticmethod
+    def make_args():
+        import jax.numpy as jnp
+
+        return gpt_block_params(), jnp.asarray(make_data("gaussian", (BATCH, SEQ, D_MODEL), seed=99))
+
+
+# A mixture of experts' expert bank: tokens x top-k routed rows in groups, two grouped GEMMs per layer
+MOE_ROWS, MOE_D, MOE_EXPERTS = (256, 128, 4) if SMALL else (2048, 512, 8)
+
+
+def moe_loss(p, x, sizes):
+    """An expert bank's FFN on routed rows ``x`` (``sizes[g]`` consecutive rows per expert):
+    ``ragged_dot(gelu(ragged_dot(x, w1)), w2)``, loss ``mean(out^2)``."""
+    import jax
+    import jax.numpy as jnp
+
+    h = jax.nn.gelu(jax.lax.ragged_dot(x, p["w1"], sizes))
+    return jnp.mean(jax.lax.ragged_dot(h, p["w2"], sizes) ** 2)
+
+
+class MoERecipeStep(_RecipeStep):
+    """The expert bank's forward + backward under each recipe (grouped GEMMs, one group at a time)
+    against the same jitted float32 step: 2048 routed rows (batch 8 x sequence 128 x top-2), d_model
+    and expert width 512, 8 experts of uneven load (``QFORMATS_BENCH_SMALL=1``: 256 rows, 128, 4)."""
+
+    loss = staticmethod(moe_loss)
+
+    @staticmethod
+    def make_args():
+        import jax.numpy as jnp
+
+        load = np.random.default_rng(0).dirichlet(np.ones(MOE_EXPERTS) * 2)
+        sizes = np.floor(load * MOE_ROWS).astype(np.int32)
+        sizes[-1] += MOE_ROWS - sizes.sum()
+        shape = (MOE_EXPERTS, MOE_D, MOE_D)
+        params = {f"w{i}": jnp.asarray(make_data("gaussian", shape, seed=i) / np.sqrt(MOE_D)) for i in (1, 2)}
+        x = jnp.asarray(make_data("gaussian", (MOE_ROWS, MOE_D), seed=7))
+        return params, x, jnp.asarray(sizes)

@@ -8,7 +8,9 @@ the cotangent ``g`` of ``y`` those rules bind
     d/da: dot_general(g, b)   (g summed over b's free output axes, b over its free axes)
     d/db: dot_general(g, a)   (g summed over a's free output axes, a over its free axes)
 
-and for ``conv_general_dilated(a, b)``: ``conv(g, rev(b))`` and ``conv(a, g)``. A contraction
+for ``conv_general_dilated(a, b)``: ``conv(g, rev(b))`` and ``conv(a, g)``, and for a grouped GEMM
+``ragged_dot_general(a, b, sizes)``: ``ragged_dot_general(g, b, sizes)`` and, summing over each
+group's rows, ``ragged_dot_general(a, g, sizes)``. A contraction
 whose name stack says the transposition emitted it, one of whose operands is a value the forward
 contraction read (the residual ``a`` or ``b``, forwarded through jit, scan and cond boundaries by
 position; reversed for a convolution's input gradient), with the other shaped as that forward's
@@ -41,7 +43,8 @@ from jax import lax
 from scalify import _jax_compat as jc
 from scalify import _walk
 
-CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
+_RAGGED_DOT = jc.lax_primitive("ragged_dot_general")
+CONTRACTIONS = tuple(p for p in (lax.dot_general_p, lax.conv_general_dilated_p, _RAGGED_DOT) if p is not None)
 
 
 class Partner(NamedTuple):
@@ -96,6 +99,9 @@ def _transposes(eqn, residual: int, tag: _Tag) -> bool:
         # JAX's rule: dot_general(g, residual), never the residual reversed.
         dims = _normal(eqn.params["dimension_numbers"])
         return residual == 1 and not tag.reversed and dims == _normal(_transpose_dims(forward, side))
+    if eqn.primitive is _RAGGED_DOT:
+        # ragged_dot_general(g, b) for the input gradient, ragged_dot_general(a, g) for the weight's.
+        return residual == side and not tag.reversed
     # conv: conv(g, rev(b)) for the input gradient, conv(a, g) for the weight gradient.
     return residual == side and tag.reversed == (side == 1)
 

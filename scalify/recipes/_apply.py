@@ -3,8 +3,10 @@
 Every floating ``dot_general`` and ``conv_general_dilated`` of ``fn`` (inside nested ``jit``,
 ``scan``, ``while``, ``cond``, ``checkpoint`` and custom derivative rules too) is replaced by
 :func:`scalify.recipes._gemm.recipe_contraction`, whose custom VJP runs the backward GEMMs under
-the recipe. Contractions under ``amp_stop`` or a scope named in ``recipe.high_precision_scopes``
-keep the program's precision, and so do products of two activations under ``recipe.weights_only``.
+the recipe; every grouped GEMM (``ragged_dot_general``) by
+:func:`scalify.recipes._grouped.grouped_contraction`, which does so one group at a time.
+Contractions under ``amp_stop`` or a scope named in ``recipe.high_precision_scopes`` keep the
+program's precision, and so do products of two activations under ``recipe.weights_only``.
 A gradient taken inside ``fn`` reaches the walker as contractions of its own; each is paired with
 its forward contraction (:mod:`scalify.amp._transposes`) and runs as its dgrad or wgrad GEMM.
 """
@@ -19,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import lax_primitive
 from scalify.amp._interpreter import amp
 from scalify.amp._policy import BindRule, use_original_precision
+from scalify.recipes import _grouped
 from scalify.recipes._builtins import get_recipe
 from scalify.recipes._gemm import Contraction, recipe_contraction, transposed_operands
 from scalify.recipes._recipe import Recipe
@@ -53,21 +55,22 @@ class RecipeContraction(BindRule):
         return f"RecipeContraction({self.recipe.name!r})"
 
     def bind(self, primitive, invals, params, out_avals, scopes=(), sources=(), site=None):
-        if _grouped(primitive, params):
+        if _grouped_conv(primitive, params):
             # A grouped (depthwise) convolution, and its gradients, which JAX also writes as grouped
             # convolutions: no linear layer's GEMM (torchao and TE convert linear layers only).
             return [primitive.bind(*invals, **params)]
         paired = None if site is None else site.resolve()
         if paired is not None:
             return [self._backward(primitive, invals, params, out_avals, scopes, *paired)]
-        y, decision = self._forward(primitive, *invals, params, out_avals, scopes, sources)
+        y, decision = self._forward(primitive, invals, params, out_avals, scopes, sources)
         if site is not None:
             site.decide(decision)
         return [y]
 
-    def _forward(self, primitive, x, w, params, out_avals, scopes, sources):
+    def _forward(self, primitive, invals, params, out_avals, scopes, sources):
         """The forward contraction and what the recipe made of it (``None``: the program's precision)."""
-        plain = lambda: (primitive.bind(x, w, **params), None)
+        x, w, *rest = invals  # rest: a grouped GEMM's group sizes
+        plain = lambda: (primitive.bind(*invals, **params), None)
         if not (_is_float(x) and _is_float(w)):
             return plain()
         if self.recipe.weights_only and sources and 1 not in sources:
@@ -77,7 +80,9 @@ class RecipeContraction(BindRule):
             # A weight times a vector (a spectral norm's power iteration, W v and u W) is no linear
             # layer's GEMM either: its operand has no token axis to block or scale over.
             return plain()
-        aims = Contraction(primitive, tuple(sorted(params.items()))).aims(x.ndim, w.ndim)
+        op = Contraction(primitive, tuple(sorted(params.items())))
+        grouped = primitive is _grouped.RAGGED_DOT
+        aims = _grouped.Expert.of(op, x.ndim).aims(x.ndim, w.ndim) if grouped else op.aims(x.ndim, w.ndim)
         if math.prod(x.shape[a] for a in aims["fwd_lhs"].contracted) == 1:
             # An outer product (rotary embeddings' positions x frequencies, also written as a matmul
             # summing over one element) is no GEMM of a linear layer; its gradients are reductions
@@ -91,7 +96,8 @@ class RecipeContraction(BindRule):
             x, w = w, x
         op = Contraction(primitive, tuple(sorted(params.items())))
         out_dtype = self.recipe.out_dtype or out_avals[0].dtype
-        y = recipe_contraction(self.recipe, op, out_dtype, tuple(scopes), x, w).astype(out_avals[0].dtype)
+        contraction = _grouped.grouped_contraction if grouped else recipe_contraction
+        y = contraction(self.recipe, op, out_dtype, tuple(scopes), x, w, *rest).astype(out_avals[0].dtype)
         if unswap is not None:
             y = jnp.transpose(y, unswap)
         return y, Quantized(op, unswap, x.shape, w.shape)
@@ -103,7 +109,7 @@ class RecipeContraction(BindRule):
         the forward was."""
         if decision is None:
             return primitive.bind(*invals, **params)
-        g, r = invals[1 - partner.residual], invals[partner.residual]
+        g, r, rest = invals[1 - partner.residual], invals[partner.residual], invals[2:]
         # The walker's weight is the program's rhs, or its lhs when it bound the weight first.
         weight = 0 if decision.unswap is not None else 1
         gemm = "wgrad" if partner.grad_of == weight else "dgrad"
@@ -115,15 +121,22 @@ class RecipeContraction(BindRule):
         # stochastic rounding draws by position), then reverse it as the program does.
         spatial = _kernel_spatial_axes(decision.op) if partner.residual == 1 else ()
         r = lax.rev(r, spatial) if spatial else r
-        gq, rq = transposed_operands(
-            self.recipe, decision.op, gemm, tuple(scopes), decision.x_shape, decision.w_shape, g, r
-        )
+        if decision.op.primitive is _grouped.RAGGED_DOT:
+            gq, rq = _grouped.transposed_operands(
+                self.recipe, decision.op, gemm, tuple(scopes), decision.x_shape, decision.w_shape, g, r, *rest
+            )
+            if gemm == "wgrad":  # JAX's ragged_dot_general(x, dy) over each group's rows, laid out by group
+                return _grouped.by_group_contraction(params, rq, gq).astype(out_avals[0].dtype)
+        else:
+            gq, rq = transposed_operands(
+                self.recipe, decision.op, gemm, tuple(scopes), decision.x_shape, decision.w_shape, g, r
+            )
         rq = lax.rev(rq, spatial) if spatial else rq
         if decision.unswap is not None:
             gq = jnp.transpose(gq, decision.unswap)
         operands = (gq, rq) if partner.residual == 1 else (rq, gq)
         op = Contraction(primitive, tuple(sorted(params.items())))
-        return op.emulated(*operands).astype(out_avals[0].dtype)
+        return op.emulated(*operands, *rest).astype(out_avals[0].dtype)
 
 
 def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:
@@ -135,7 +148,7 @@ def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:
     return len(lc) + len(lb) == lhs_ndim or len(rc) + len(rb) == rhs_ndim
 
 
-def _grouped(primitive, params) -> bool:
+def _grouped_conv(primitive, params) -> bool:
     return primitive is lax.conv_general_dilated_p and (
         params["feature_group_count"] > 1 or params["batch_group_count"] > 1
     )
@@ -162,39 +175,12 @@ def _rhs_first(params, lhs_ndim: int, rhs_ndim: int):
     return swapped, (*range(nb), *range(nb + rf, nb + rf + lf), *range(nb, nb + rf))
 
 
-class Uncovered(BindRule):
-    """A GEMM the recipe has no roles for: a grouped GEMM (``lax.ragged_dot``, a mixture of
-    experts' expert bank). Left alone it would run in the program's precision, so it raises,
-    naming the ways to keep it there deliberately."""
-
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
-
-    def __repr__(self):
-        return f"Uncovered({self.recipe.name!r})"
-
-    def bind(self, primitive, invals, params, out_avals, scopes=(), sources=(), site=None):
-        if not all(_is_float(x) for x in invals[:2]):
-            return [primitive.bind(*invals, **params)]
-        where = "/".join(scopes) or "no scope"
-        raise ValueError(
-            f"recipe {self.recipe.name!r} has no GEMM roles for {primitive.name} (at {where}: lax.ragged_dot, "
-            "a grouped GEMM such as a mixture of experts' expert bank), which would run in the program's "
-            "precision. Keep it there deliberately with recipe.replace(high_precision_scopes=(NAME,)), NAME "
-            "one of the scopes above (wrap it in a jax.named_scope if it has none), or write the experts as "
-            "dot_general (jnp.einsum over a one-hot or gathered expert axis), which the recipe quantizes."
-        )
-
-
-# Contractions with no roles in a recipe (see Uncovered); present on the JAX versions that have them.
-_UNCOVERED = tuple(q for q in (lax_primitive("ragged_dot_general"),) if q is not None)
-
-
 def policy(recipe: Recipe) -> dict:
     """The amp policy that applies ``recipe``."""
     rule = RecipeContraction(recipe)
     out = {lax.dot_general_p: rule, lax.conv_general_dilated_p: rule}
-    out.update({q: Uncovered(recipe) for q in _UNCOVERED})
+    if _grouped.RAGGED_DOT is not None:  # a grouped GEMM, on the JAX versions that have it
+        out[_grouped.RAGGED_DOT] = rule
     out.update({scope: use_original_precision for scope in recipe.high_precision_scopes})
     return out
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify._jax_compat import explicit_sharding
 from scalify.recipes._recipe import ROLES, Recipe
 
 _F32 = jnp.dtype(jnp.float32)
@@ -159,11 +160,12 @@ def _quantizes_alike(recipe: Recipe, roles, aims, shape) -> bool:
     return f.replace(**{n: getattr(g, n) for n in f.axis_fields}) == g
 
 
-def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None):
+def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None, group=None):
     """``x`` through the role's format aimed at its GEMM's contracted axis, dequantized to float32.
 
     A stochastically rounded role draws its bits from a key made of the recipe's seed, the role
-    and ``source_digest`` (:func:`digest` of the data ``x`` is computed from; default ``x``).
+    and ``source_digest`` (:func:`digest` of the data ``x`` is computed from; default ``x``), and
+    ``group``: the index of a grouped GEMM's group ``x`` belongs to, if it is one.
     High-precision roles, and operands of a GEMM that sums over nothing (an outer product), are
     returned as float32 unchanged.
     """
@@ -175,6 +177,7 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
     if role in recipe.stochastic_rounding:
         d = digest(x32) if source_digest is None else source_digest
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(recipe.seed), ROLES.index(role)), d)
+        key = key if group is None else jax.random.fold_in(key, group)
     return _through(view, lambda v: fmt.fake_quantize(v, key), x32)
 
 
@@ -199,14 +202,21 @@ def rotate(hadamard, x, aim: _Aim):
     The merged axis comes first, as the token axis of a 2-D layer's operand (tokens x features):
     the transform is then the same dot as that layer's, bit for bit. (Along a transposed view the
     dot summed in another order on some CPUs: one float32 ulp apart.)
+
+    The result keeps ``x``'s sharding where the mesh makes it part of the type (``Explicit`` axes):
+    the transform's dot with the replicated ``H`` would drop it, and the transposed GEMM then
+    refuses a cotangent typed unlike its output.
     """
     axis = aim.contracted[-1]
     if x.shape[axis] % hadamard.size == 0 or len(aim.contracted) < 2:
-        return hadamard.apply(x, axis)
-    perm = (*aim.contracted, *(a for a in range(x.ndim) if a not in aim.contracted))
-    summed = math.prod(x.shape[a] for a in aim.contracted)
-    view = _View(perm, (summed, x.size // summed if summed else 0))
-    return _through(view, lambda v: hadamard.apply(v, 0), x)
+        out = hadamard.apply(x, axis)
+    else:
+        perm = (*aim.contracted, *(a for a in range(x.ndim) if a not in aim.contracted))
+        summed = math.prod(x.shape[a] for a in aim.contracted)
+        view = _View(perm, (summed, x.size // summed if summed else 0))
+        out = _through(view, lambda v: hadamard.apply(v, 0), x)
+    sharding = explicit_sharding(x)
+    return out if sharding is None else jax.sharding.reshard(out, sharding)
 
 
 _OPERAND = {"fwd_lhs": "x", "fwd_rhs": "w", "dgrad_lhs": "dy", "dgrad_rhs": "w", "wgrad_lhs": "dy", "wgrad_rhs": "x"}
@@ -217,10 +227,11 @@ _GEMM = {
 }
 
 
-def check_operands(recipe: Recipe, op, roles, x_shape, w_shape, y_shape, scopes=()) -> None:
+def check_operands(recipe: Recipe, op, roles, x_shape, w_shape, y_shape, scopes=(), grouped=False) -> None:
     """Raise, naming the GEMM, the operand, where the contraction is and the fixes, when one of
     ``roles``' formats cannot block its operand (the forward roles when the forward is traced, the
-    backward ones when the gradient is: a forward-only program never needs the backward's shapes)."""
+    backward ones when the gradient is: a forward-only program never needs the backward's shapes).
+    ``grouped``: ``op`` is one expert's GEMM of a grouped one (``ragged_dot_general``)."""
     aims = op.aims(len(x_shape), len(w_shape))
     shapes = {"x": tuple(x_shape), "w": tuple(w_shape), "dy": tuple(y_shape)}
     for role in roles:
@@ -232,16 +243,20 @@ def check_operands(recipe: Recipe, op, roles, x_shape, w_shape, y_shape, scopes=
             # axis) are not a recipe user's, whose axes the library chooses.
             reason = str(e).split(". ")[0].rstrip(".")
             where = "/".join(scopes) or "no jax.named_scope"
+            name = "ragged_dot_general" if grouped else op.primitive.name
             # What the summed axis is, for the user to resize: a convolution's weight gradient sums
             # over the batch alone along the blocks (a last partial batch of a dataset meets this).
             sizes = (
                 "the batch for a convolution's weight gradient: drop a last partial batch"
                 if op.primitive is lax.conv_general_dilated_p and role.startswith("wgrad")
+                else "the rows of a grouped GEMM for its weight gradient (its groups need not be multiples of "
+                "the block: each is blocked from its own first row)"
+                if grouped and role.startswith("wgrad")
                 else "sequence length, batch x sequence for the weight gradient"
             )
             raise ValueError(
                 f"recipe {recipe.name!r} cannot quantize {operand} ({role}, shape {shapes[operand]}) for the "
-                f"{_GEMM[role.split('_')[0]]} of the {op.primitive.name} at {where} (x {shapes['x']}, w "
+                f"{_GEMM[role.split('_')[0]]} of the {name} at {where} (x {shapes['x']}, w "
                 f"{shapes['w']}): {reason}. Fixes: make the summed axis a multiple of the block ({sizes}); "
                 f"or keep this contraction in the program's precision "
                 f"with recipe.replace(high_precision_scopes=(NAME,)), NAME one of the scopes above (wrap it in a "
@@ -251,21 +266,22 @@ def check_operands(recipe: Recipe, op, roles, x_shape, w_shape, y_shape, scopes=
 
 
 class Contraction(NamedTuple):
-    """A bilinear primitive with its static parameters (hashable: a ``custom_vjp`` static argument)."""
+    """A bilinear primitive with its static parameters (hashable: a ``custom_vjp`` static argument);
+    its operands are ``(lhs, rhs, *rest)``, ``rest`` a grouped GEMM's group sizes."""
 
     primitive: object
     params: tuple  # sorted (name, value) pairs of the bind parameters
 
-    def __call__(self, a, b, **overrides):
-        return self.primitive.bind(a, b, **{**dict(self.params), **overrides})
+    def __call__(self, a, b, *rest, **overrides):
+        return self.primitive.bind(a, b, *rest, **{**dict(self.params), **overrides})
 
     def aims(self, lhs_ndim, rhs_ndim):
         aims_fn = conv_aims if self.primitive is lax.conv_general_dilated_p else dot_aims
         return aims_fn(dict(self.params), lhs_ndim, rhs_ndim)
 
-    def emulated(self, a, b):
+    def emulated(self, a, b, *rest):
         """The float32 contraction of dequantized operands (exact float32 products and sums)."""
-        return self(a, b, precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST), preferred_element_type=_F32)
+        return self(a, b, *rest, precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST), preferred_element_type=_F32)
 
 
 def _forward(recipe, op, out_dtype, scopes, x, w):
@@ -303,18 +319,19 @@ def _g_digest(recipe: Recipe, g32):
     return digest(g32) if recipe.stochastic_rounding & {"dgrad_lhs", "wgrad_lhs"} else None
 
 
-def backward_operands(recipe: Recipe, gemm: str, aims, g32, r, g_digest, rq=None):
+def backward_operands(recipe: Recipe, gemm: str, aims, g32, r, g_digest, rq=None, group=None):
     """The quantized operands ``(dy, w)`` of the input-gradient GEMM (``gemm="dgrad"``, ``r = w``) or
     ``(dy, x)`` of the weight-gradient GEMM (``"wgrad"``, ``r = x``; both optionally rotated along
-    the summed M axis), ``dy`` in the forward output's layout. ``rq``: ``r`` already quantized."""
+    the summed M axis), ``dy`` in the forward output's layout. ``rq``: ``r`` already quantized;
+    ``group``: see :func:`quantize_operand`."""
     lhs, rhs = f"{gemm}_lhs", f"{gemm}_rhs"
     if rq is None:
         rq = r.astype(_F32)
         if gemm == "wgrad" and recipe.wgrad_hadamard is not None and aims[lhs].contracted:
             g32 = rotate(recipe.wgrad_hadamard, g32, aims[lhs])
             rq = rotate(recipe.wgrad_hadamard, rq, aims[rhs])
-        rq = quantize_operand(recipe, rhs, rq, aims[rhs])
-    return quantize_operand(recipe, lhs, g32, aims[lhs], g_digest), rq
+        rq = quantize_operand(recipe, rhs, rq, aims[rhs], group=group)
+    return quantize_operand(recipe, lhs, g32, aims[lhs], g_digest, group), rq
 
 
 def _bwd(recipe, op, out_dtype, scopes, res, g):

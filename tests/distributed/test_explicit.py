@@ -154,3 +154,28 @@ def test_recipe_gradients_on_an_explicit_mesh(name):
     assert got[1].sharding.spec == P(None, "m")
     for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_recipe_gradients_of_a_sequence_layer_with_out_sharding(name):
+    """A projection of ``[batch, sequence, features]`` activations written with ``out_sharding``
+    (as jax-llm-examples' models write theirs): NVFP4's weight gradient sums over batch x sequence,
+    and the Hadamard transform along the tokens dropped ``dy``'s sharding from its type, so the
+    transposed GEMM refused it ("cotangent type does not match"). It keeps it now; the gradients
+    are the unsharded program's."""
+    from scalify import recipes
+
+    recipe = recipes.BUILTINS[name].replace(stochastic_rounding=())
+    mesh = mesh_2x4()
+    x, w = jnp.asarray(_x((4, 32, 64), 1)), jnp.asarray(_x((64, 96), 2) / 8)
+
+    def loss(x, w, spec=None):
+        return jnp.sum(jnp.tanh(jnp.einsum("btk,kd->btd", x, w, out_sharding=spec)))
+
+    grad = lambda spec: jax.jit(jax.grad(recipes.apply(lambda a, b: loss(a, b, spec), recipe), argnums=(0, 1)))
+    want = grad(None)(x, w)
+    with jax.set_mesh(mesh):
+        got = grad(P("d"))(jax.device_put(x, NamedSharding(mesh, P("d"))), w)
+    assert got[0].sharding.spec == P("d", None, None)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))

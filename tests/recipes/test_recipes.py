@@ -279,26 +279,6 @@ def test_recipe_errors_name_the_problem():
         )
 
 
-def test_a_grouped_gemm_is_refused_unless_kept_by_scope():
-    """``lax.ragged_dot`` (a mixture of experts' expert bank) has no GEMM roles in a recipe: it ran
-    silently in the program's precision. It now raises, naming the scope that keeps it there
-    deliberately; kept so, it (and its gradient) equals the program."""
-    gs = jnp.asarray([16, 8, 0, 8], jnp.int32)
-    w = _data((4, 64, 32), 3, 0.1)
-
-    def experts(x, w):
-        with jax.named_scope("experts"):
-            return lax.ragged_dot(x, w, gs)
-
-    with pytest.raises(ValueError, match=r"no GEMM roles for ragged_dot_general \(at experts.*high_precision_scopes"):
-        recipes.apply(experts, recipes.MXFP8)(X, w)
-    kept = recipes.apply(experts, recipes.MXFP8.replace(high_precision_scopes=("experts",)))
-    np.testing.assert_array_equal(kept(X, w), experts(X, w))
-    grad = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))(X, w)
-    for g, r in zip(grad(kept), grad(experts), strict=True):
-        np.testing.assert_array_equal(g, r)
-
-
 def _rotary_einsum(pos, freq):
     return jnp.einsum("bi,j->bij", pos, freq)
 

@@ -1,0 +1,233 @@
+"""A grouped GEMM under a recipe: ``lax.ragged_dot``, a mixture of experts' expert bank.
+
+``y = ragged_dot(x, w, sizes)``: the rows (tokens) of ``x`` come in consecutive groups, group
+``g`` of ``sizes[g]`` rows, and group ``g``'s rows are multiplied by the expert weight ``w[g]``.
+For each group that is a dense linear layer, so each of its three GEMMs runs in the recipe's roles
+one group at a time, as a grouped-GEMM kernel and Transformer Engine's ``GroupedLinear`` (which
+quantizes each expert's weight and each group of tokens as a tensor of its own) do:
+
+    y_g  = x_g q_fwd(w[g])                     (x_g, dy_g: group g's rows)
+    dx_g = dy_g q_dgrad(w[g])^T
+    dw[g] = sum_{m in g} q_wgrad(dy)_m q_wgrad(x)_m
+
+each operand quantized per group by the dense layer's roles. Blocks along the features never mix
+rows, so MX and NVFP4 forward and input-gradient operands are the same as for the whole tensor;
+what grouping changes is every statistic over rows or over the tensor: the weight gradient's
+blocks, per-channel scales and Hadamard blocks along the tokens start at each group's first row
+and stop at its last (zeros pad the rest, which change no amax and add nothing to a sum), and a
+tensor-wide scale (float8 tensorwise, NVFP4's second level) is one per group and per expert.
+
+This equals torchao's MXFP8 grouped-GEMM training path with token groups padded to the block
+(``pad_token_groups_for_grouped_mm``; tests/recipes/test_torchao_grouped_vectors.py).
+
+Operands are laid out by group (:func:`by_group`: ``G`` copies of the rows, each zero but for
+its group's), so the emulation holds ``G`` times a token operand while it quantizes, as JAX's own
+CPU ``ragged_dot`` does while it multiplies. The forward and input-gradient GEMMs are then one
+``ragged_dot`` of the dequantized operands; the weight gradient one dense contraction per group.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scalify._jax_compat import lax_primitive
+from scalify.recipes._gemm import (
+    _F32,
+    Contraction,
+    _g_digest,
+    _like,
+    _quantizes_alike,
+    backward_operands,
+    check_operands,
+    quantize_operand,
+)
+from scalify.recipes._recipe import ROLES, Recipe
+
+RAGGED_DOT = lax_primitive("ragged_dot_general")
+
+
+class Expert(NamedTuple):
+    """One group's dense GEMM of a grouped one: ``op`` the ``dot_general`` of ``x``'s rows and one
+    expert's weight (``w`` without its group axis ``group``); ``x_axis``, ``y_axis``: the ragged
+    axis in ``x`` and in ``y``."""
+
+    op: Contraction
+    group: int
+    x_axis: int
+    y_axis: int
+
+    @classmethod
+    def of(cls, op: Contraction, lhs_ndim: int) -> Expert:
+        """The expert GEMM of the ``ragged_dot_general`` ``op``, ragged along a free axis of its lhs
+        (``lax.ragged_dot``'s mode); raises for the other modes, which no linear layer binds."""
+        params = dict(op.params)
+        dn = params["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+        (ragged,) = dn.lhs_ragged_dimensions
+        if ragged in lc or ragged in lb or params.get("group_offset") is not None:
+            where = "a summed" if ragged in lc else "a batch" if ragged in lb else "a free"
+            raise ValueError(
+                "a recipe runs a grouped GEMM whose groups run along a free axis of the lhs (lax.ragged_dot: "
+                f"tokens grouped by expert, all groups); this ragged_dot_general is ragged along {where} axis"
+                f"{' with a group_offset' if params.get('group_offset') is not None else ''}. Keep it in the "
+                "program's precision with recipe.replace(high_precision_scopes=(NAME,)) around it."
+            )
+        (group,) = dn.rhs_group_dimensions
+        drop = lambda axes: tuple(a - (a > group) for a in axes)
+        dims = ((tuple(lc), drop(rc)), (tuple(lb), drop(rb)))
+        expert = {"dimension_numbers": dims, "precision": None, "preferred_element_type": None, "out_sharding": None}
+        free = [a for a in range(lhs_ndim) if a not in lc and a not in lb]
+        op = Contraction(lax.dot_general_p, tuple(sorted(expert.items())))
+        return cls(op, group, ragged, len(lb) + free.index(ragged))
+
+    def aims(self, lhs_ndim: int, rhs_ndim: int):
+        return self.op.aims(lhs_ndim, rhs_ndim - 1)
+
+    def weight_shape(self, shape) -> tuple[int, ...]:
+        return tuple(n for a, n in enumerate(shape) if a != self.group)
+
+
+def _starts(sizes):
+    ends = jnp.cumsum(sizes)
+    return ends - sizes, ends
+
+
+def by_group(x, axis: int, sizes):
+    """``x`` laid out by group along ``axis``, ``[G, *x.shape]``: ``out[g, .., i, ..] = x[.., start_g + i, ..]``
+    for ``i < sizes[g]``, zero after (``start_g``: the sum of the sizes before ``g``).
+
+    A block along ``axis`` of ``out[g]`` starts at group ``g``'s first row, so it never spans two groups.
+    """
+    if sizes.ndim != 1:
+        raise ValueError(
+            f"a recipe's grouped GEMM takes one group size per expert (group_sizes of shape (G,)); got {sizes.shape}"
+        )
+    m = x.shape[axis]
+    starts, _ = _starts(sizes)
+    i = jnp.arange(m, dtype=sizes.dtype)
+    rows = jnp.take(x, jnp.clip(starts[:, None] + i, 0, max(m - 1, 0)), axis=axis)  # [.., G, M, ..]
+    rows = jnp.moveaxis(rows, axis, 0)
+    inside = (i < sizes[:, None]).reshape((sizes.shape[0], *(m if a == axis else 1 for a in range(x.ndim))))
+    return jnp.where(inside, rows, jnp.zeros((), rows.dtype))
+
+
+def from_groups(groups, axis: int, sizes):
+    """The inverse of :func:`by_group`: row ``m`` of group ``g`` back at ``start_g + m``; rows past the
+    last group are zero (``ragged_dot`` gives them a zero output)."""
+    m = groups.shape[axis + 1]
+    starts, ends = _starts(sizes)
+    row = jnp.arange(m, dtype=sizes.dtype)
+    gid = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, sizes.shape[0] - 1)
+    picked = jnp.moveaxis(groups, axis + 1, 1)[gid, row - starts[gid]]  # [M, ..]
+    picked = jnp.where((row < ends[-1]).reshape((m, *(1,) * (picked.ndim - 1))), picked, jnp.zeros((), picked.dtype))
+    return jnp.moveaxis(picked, 0, axis)
+
+
+def _per_group(fn, groups, *more):
+    """``fn(group's operands..., g)`` for every group ``g`` (the operands' leading axis)."""
+    return jax.vmap(fn)(groups, *more, jnp.arange(groups.shape[0]))
+
+
+def _tokens(fn, x, axis: int, sizes):
+    """``fn(rows, g)`` applied to each group's rows of ``x`` (laid out by group), back in ``x``'s layout."""
+    return from_groups(_per_group(fn, by_group(x, axis, sizes)), axis, sizes)
+
+
+def _experts(fn, w, group: int):
+    """``fn(w[g], g)`` for every expert's weight, stacked along ``group`` again."""
+    return jax.vmap(fn, in_axes=(group, 0), out_axes=group)(w, jnp.arange(w.shape[group]))
+
+
+def _check(recipe, op, expert, roles, x, w, y_shape, scopes):
+    check_operands(recipe, expert.op, roles, x.shape, expert.weight_shape(w.shape), y_shape, scopes, grouped=True)
+
+
+def _forward(recipe, op, out_dtype, scopes, x, w, sizes):
+    expert = Expert.of(op, x.ndim)
+    _check(recipe, op, expert, ROLES[:2], x, w, (), scopes)
+    aims = expert.aims(x.ndim, w.ndim)
+    xq = _tokens(lambda v, g: quantize_operand(recipe, "fwd_lhs", v, aims["fwd_lhs"], group=g), x, expert.x_axis, sizes)
+    wq = _experts(lambda v, g: quantize_operand(recipe, "fwd_rhs", v, aims["fwd_rhs"], group=g), w, expert.group)
+    return op.emulated(xq, wq, sizes).astype(out_dtype), wq
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def grouped_contraction(recipe: Recipe, op: Contraction, out_dtype, scopes: tuple, x, w, sizes):
+    """``op(x, w, sizes)`` (a ``ragged_dot_general``) with its value and its gradients under ``recipe``,
+    one group at a time (module docstring)."""
+    return _forward(recipe, op, out_dtype, scopes, x, w, sizes)[0]
+
+
+def _fwd(recipe, op, out_dtype, scopes, x, w, sizes):
+    y, wq = _forward(recipe, op, out_dtype, scopes, x, w, sizes)
+    expert = Expert.of(op, x.ndim)
+    aims = expert.aims(x.ndim, w.ndim)
+    alike = _quantizes_alike(recipe, ("fwd_rhs", "dgrad_rhs"), aims, expert.weight_shape(w.shape))
+    return y, (x, w, wq if alike else None, sizes)
+
+
+def dgrad_operands(recipe: Recipe, expert: Expert, aims, g32, w, sizes, g_digest, wq=None):
+    """The input-gradient GEMM's ``(dy, w)``, quantized per group and per expert, in their own layouts."""
+    gq = _tokens(
+        lambda v, g: quantize_operand(recipe, "dgrad_lhs", v, aims["dgrad_lhs"], g_digest, g), g32, expert.y_axis, sizes
+    )
+    if wq is None:
+        quantize = lambda v, g: quantize_operand(recipe, "dgrad_rhs", v, aims["dgrad_rhs"], group=g)
+        wq = _experts(quantize, w, expert.group)
+    return gq, wq
+
+
+def wgrad_operands(recipe: Recipe, expert: Expert, aims, g32, x, sizes, g_digest):
+    """The weight-gradient GEMM's ``(dy, x)`` laid out by group (:func:`by_group`), each group's
+    rotated and quantized along its own rows (:func:`scalify.recipes._gemm.backward_operands`)."""
+    gg, xg = by_group(g32, expert.y_axis, sizes), by_group(x.astype(_F32), expert.x_axis, sizes)
+    return _per_group(lambda gv, xv, g: backward_operands(recipe, "wgrad", aims, gv, xv, g_digest, group=g), gg, xg)
+
+
+def _bwd(recipe, op, out_dtype, scopes, res, g):
+    del out_dtype
+    x, w, wq_fwd, sizes = res
+    expert = Expert.of(op, x.ndim)
+    _check(recipe, op, expert, ROLES[2:], x, w, g.shape, scopes)
+    aims = expert.aims(x.ndim, w.ndim)
+    g32 = g.astype(_F32)
+    g_digest = _g_digest(recipe, g32)
+    gq, wq = dgrad_operands(recipe, expert, aims, g32, w, sizes, g_digest, wq_fwd)
+    (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq, sizes), _like(x))(gq)
+    gg, xg = wgrad_operands(recipe, expert, aims, g32, x, sizes, g_digest)
+    w_g = jax.ShapeDtypeStruct(expert.weight_shape(w.shape), _F32)
+    per_expert = lambda xv, gv: jax.linear_transpose(lambda b: expert.op.emulated(xv, b), w_g)(gv)[0]
+    dw = jnp.moveaxis(jax.vmap(per_expert)(xg, gg), 0, expert.group)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+grouped_contraction.defvjp(_fwd, _bwd)
+
+
+def transposed_operands(recipe: Recipe, op: Contraction, gemm: str, scopes: tuple, x_shape, w_shape, g, r, sizes):
+    """The quantized operands of one backward GEMM of the grouped ``op(x, w, sizes)`` that the program
+    computes itself (a gradient taken inside the function the recipe is applied to): the input
+    gradient's ``(dy, w)`` in their layouts, the weight gradient's ``(dy, x)`` laid out by group."""
+    expert = Expert.of(op, len(x_shape))
+    shapes = jax.ShapeDtypeStruct(x_shape, _F32), jax.ShapeDtypeStruct(w_shape, _F32)
+    _check(recipe, op, expert, (f"{gemm}_lhs", f"{gemm}_rhs"), *shapes, g.shape, scopes)
+    aims = expert.aims(len(x_shape), len(w_shape))
+    g32 = g.astype(_F32)
+    operands = dgrad_operands if gemm == "dgrad" else wgrad_operands
+    return operands(recipe, expert, aims, g32, r, sizes, _g_digest(recipe, g32))
+
+
+def by_group_contraction(params, a_groups, b_groups):
+    """The ``ragged_dot_general`` ragged along a summed axis that JAX's transposition emits for a
+    grouped GEMM's weight gradient, on operands laid out by group: one dense contraction per group,
+    in that primitive's output layout ``[G, batch, lhs free, rhs free]``."""
+    dims = params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    hi = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    return jax.vmap(lambda a, b: lax.dot_general(a, b, dims, precision=hi, preferred_element_type=_F32))(
+        a_groups, b_groups
+    )

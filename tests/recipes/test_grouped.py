@@ -1,0 +1,175 @@
+"""A grouped GEMM (``lax.ragged_dot``, a mixture of experts' expert bank) under every recipe.
+
+The reference is the same program written one expert at a time: expert ``g``'s tokens (its rows,
+zero-padded to whole 32-row blocks) through a dense linear layer with weight ``w[g]`` under the
+same recipe. Its quantized operands are the grouped GEMM's, so ``y``, ``dx`` and ``dw`` must agree
+up to float32 summation order; the dense recipes themselves are torchao's bit for bit
+(test_torchao_vectors.py), and the grouped MXFP8 ones too (test_torchao_grouped_vectors.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from scalify import recipes
+from scalify.recipes import _grouped
+from scalify.recipes._gemm import Contraction
+
+M, K, N, G = 128, 64, 96, 4
+RECIPES = {
+    "mxfp8": recipes.MXFP8,
+    "mxfp8_rceil": recipes.MXFP8_RCEIL,
+    "mxfp4": recipes.MXFP4,
+    "float8_tensorwise": recipes.FLOAT8_TENSORWISE,
+    "float8_rowwise": recipes.FLOAT8_ROWWISE,
+    # NVIDIA's recipe (2-D weight tiles, per-tensor second-level scales, the Hadamard transform on the
+    # weight gradient) without its stochastic rounding, whose draws depend on the layout
+    "nvfp4_nearest": recipes.NVFP4.replace(stochastic_rounding=()),
+}
+SIZES = {"unaligned": [37, 0, 67, 24], "short": [5, 40, 30, 20]}  # "short": 33 rows no group takes
+
+
+def _data(shape, seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * scale * np.exp2(rng.integers(-3, 4, shape[-1:]))).astype(np.float32)
+
+
+def _inputs():
+    return _data((M, K), 0), _data((G, K, N), 1, 0.05), _data((M, N), 2, 1e-3)
+
+
+def _per_expert(recipe, x, w, dy, sizes):
+    """``y, dx, dw`` of the experts as dense layers, one at a time, under ``recipe``."""
+    dense = jax.jit(recipes.apply(lambda a, b: a @ b, recipe))
+    y, dx, dw = np.zeros((M, N), np.float32), np.zeros((M, K), np.float32), np.zeros_like(w)
+    start = 0
+    for g, s in enumerate(sizes):
+        rows = -(-s // 32) * 32
+        if rows:
+            pad = lambda a, lo=start, s=s, rows=rows: np.concatenate([a[lo : lo + s], np.zeros((rows - s, a.shape[1]))])
+            yg, vjp = jax.vjp(dense, pad(x).astype(np.float32), w[g])
+            dxg, dw[g] = vjp(pad(dy).astype(np.float32))
+            y[start : start + s], dx[start : start + s] = yg[:s], dxg[:s]
+        start += s
+    return y, dx, dw
+
+
+def _expert(x, w, gs):
+    eqn = jax.make_jaxpr(lax.ragged_dot)(x, w, gs).eqns[0]
+    expert = _grouped.Expert.of(Contraction(eqn.primitive, tuple(sorted(eqn.params.items()))), x.ndim)
+    return expert, expert.aims(x.ndim, w.ndim)
+
+
+def _grouped_vjp(recipe, x, w, dy, sizes):
+    gs = jnp.asarray(sizes, jnp.int32)
+    y, vjp = jax.vjp(jax.jit(recipes.apply(lambda a, b: lax.ragged_dot(a, b, gs), recipe)), x, w)
+    return (y, *vjp(dy))
+
+
+def _close(ours, ref, summed: int):
+    """Equal up to float32 summation order: within ``summed * 2**-24`` of the largest output."""
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=summed * 2.0**-24 * float(np.max(np.abs(ref))) + 1e-30)
+
+
+@pytest.mark.parametrize("case", SIZES)
+@pytest.mark.parametrize("name", RECIPES)
+def test_grouped_gemm_is_each_expert_under_the_recipe(name, case):
+    x, w, dy = _inputs()
+    recipe, sizes = RECIPES[name], SIZES[case]
+    ours, ref = _grouped_vjp(recipe, x, w, dy, sizes), _per_expert(recipe, x, w, dy, sizes)
+    for o, r, summed in zip(ours, ref, (K, N, M), strict=True):
+        _close(o, r, summed)
+    taken = sum(sizes)
+    assert not np.any(np.asarray(ours[0])[taken:]) and not np.any(np.asarray(ours[1])[taken:])
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "float8_rowwise", "nvfp4_nearest"])
+def test_a_gradient_taken_inside_pairs_the_grouped_gemms(name):
+    """A training step that takes its gradient inside: JAX's transposition emits the grouped GEMM's
+    input gradient (a ragged_dot) and weight gradient (a ragged_dot summing over each group's rows);
+    both pair with the forward one and equal the custom VJP's, bit for bit."""
+    x, w, dy = _inputs()
+    gs = jnp.asarray(SIZES["unaligned"], jnp.int32)
+    f = lambda a, b: lax.ragged_dot(a, b, gs)
+    step = lambda a, b: jax.vjp(f, a, b)[1](dy)
+    inside = jax.jit(recipes.apply(step, RECIPES[name]))(x, w)
+    outside = jax.vjp(recipes.apply(f, RECIPES[name]), x, w)[1](dy)
+    for i, o in zip(inside, outside, strict=True):
+        np.testing.assert_array_equal(i, o)
+
+
+def test_stochastic_rounding_draws_per_group_and_is_unbiased():
+    """NVIDIA's recipe rounds the gradients stochastically: each group draws its own bits (two
+    experts with the same tokens round them differently), and the mean over draws of the
+    quantized input gradient approaches the unrounded one (each draw unbiased)."""
+    x, w, dy = _inputs()
+    same = np.concatenate([dy[:32], dy[:32], dy[64:]])
+    gs = jnp.asarray([32, 32, 64, 0], jnp.int32)
+    expert, aims = _expert(x, w, gs)
+    quantized = jax.jit(
+        lambda r: _grouped.dgrad_operands(r, expert, aims, jnp.asarray(same), jnp.asarray(w), gs, None)[0],
+        static_argnums=0,
+    )
+    gq = np.asarray(quantized(recipes.NVFP4))
+    assert np.sum(gq[:32] != gq[32:64]) > 100
+    draws = np.mean([np.asarray(quantized(recipes.NVFP4.replace(seed=s))) for s in range(24)], 0)
+    nearest = np.asarray(quantized(recipes.NVFP4.replace(stochastic_rounding=())))
+    assert np.abs(draws - same).mean() < 0.5 * np.abs(nearest - same).mean()
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(0, 3))
+def test_by_group_and_back_is_the_identity_on_the_groups_rows(sizes, extra):
+    """Property: ``from_groups(by_group(x))`` is ``x`` on every row a group takes and zero after;
+    ``by_group(x)[g]`` holds group ``g``'s rows first, zeros after."""
+    m = sum(sizes) + extra
+    x = np.arange(1, m * 3 + 1, dtype=np.float32).reshape(m, 3)
+    gs = jnp.asarray(sizes, jnp.int32)
+    groups = np.asarray(_grouped.by_group(jnp.asarray(x), 0, gs))
+    start = 0
+    for g, s in enumerate(sizes):
+        np.testing.assert_array_equal(groups[g, :s], x[start : start + s])
+        assert not np.any(groups[g, s:])
+        start += s
+    back = np.asarray(_grouped.from_groups(jnp.asarray(groups), 0, gs))
+    np.testing.assert_array_equal(back[: sum(sizes)], x[: sum(sizes)])
+    assert not np.any(back[sum(sizes) :])
+
+
+def test_grouped_gemm_errors_name_the_problem():
+    x, w, _ = _inputs()
+    gs = jnp.asarray(SIZES["unaligned"], jnp.int32)
+    grad = lambda f, a: jax.grad(lambda u, v: jnp.sum(f(u, v)), argnums=(0, 1))(a, w)
+    f = recipes.apply(lambda a, b: lax.ragged_dot(a, b, gs), recipes.MXFP8)
+    with pytest.raises(ValueError, match=r"wgrad_lhs.*ragged_dot_general.*rows of a grouped GEMM"):
+        grad(f, x[:100])  # 100 tokens: no whole 32-row blocks for the weight gradient
+    with pytest.raises(ValueError, match=r"fwd_lhs.*ragged_dot_general"):
+        f(x[:, :40], w[:, :40])  # 40 features: no whole 32-blocks along K
+    dims = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    summed = recipes.apply(lambda a, b: lax.ragged_dot_general(a, b, gs, dims), recipes.MXFP8)
+    with pytest.raises(ValueError, match=r"ragged along a summed axis.*high_precision_scopes"):
+        summed(x, _data((M, N), 3))
+
+
+def test_a_grouped_gemm_kept_by_scope_is_the_program():
+    x, w, _ = _inputs()
+    gs = jnp.asarray(SIZES["unaligned"], jnp.int32)
+
+    def experts(a, b):
+        with jax.named_scope("experts"):
+            return lax.ragged_dot(a, b, gs)
+
+    kept = recipes.apply(experts, recipes.MXFP8.replace(high_precision_scopes=("experts",)))
+    np.testing.assert_array_equal(kept(x, w), experts(x, w))
+    grad = lambda f: jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2), argnums=(0, 1))(x, w)
+    for g, r in zip(grad(kept), grad(experts), strict=True):
+        np.testing.assert_array_equal(g, r)
+    quantized = recipes.apply(experts, recipes.MXFP8)(x, w)
+    assert not np.array_equal(quantized, experts(x, w))
