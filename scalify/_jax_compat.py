@@ -240,6 +240,19 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", None) or ())  # JAX 0.6 - 0.9
 
 
+def same_varying(*xs) -> list:
+    """``xs`` cast to vary over the union of their varying mesh axes (inside ``shard_map``).
+
+    ``lax``'s wrappers insert these casts (``pvary``) before binding a primitive; a primitive
+    bound directly gets none and fails the varying-axes check. Under differentiation the cast's
+    transpose is the ``psum`` a replicated operand's gradient needs.
+    """
+    axes = [varying_axes(x) for x in xs]
+    union = frozenset().union(*axes)
+    cast = lambda x, a: x if a == union else jax.lax.pcast(x, tuple(sorted(union - a)), to="varying")
+    return [cast(x, a) for x, a in zip(xs, axes, strict=True)]
+
+
 def logical_aval(shape, dtype, leaves):
     """``ShapeDtypeStruct(shape, dtype)`` carrying the explicit sharding and the shard_map varying
     axes of ``leaves`` (a ScaledArray's ``data`` first, then its scale leaves).

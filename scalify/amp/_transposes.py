@@ -82,6 +82,35 @@ def _transpose_dims(forward, side: int):
     return ((out_free, free[side]), (tuple(range(nb)), tuple(batch[side])))
 
 
+def _ragged_transpose_dims(forward, side: int):
+    """What JAX's rule gives ``ragged_dot_general`` for the gradient of the operand of the grouped
+    ``forward`` (ragged along a free axis of its lhs) other than ``side``: for the lhs,
+    ``ragged_dot_general(g, rhs)`` summing ``g`` over the rhs's free output axes, ragged where the
+    lhs was, grouped as the rhs; for the rhs, ``ragged_dot_general(lhs, g)`` summing over the lhs's
+    free axes, the ragged one among them. As ``(contracting, batch, lhs ragged, rhs group)``."""
+    dn = forward.params["ragged_dot_dimension_numbers"]
+    (xc, yc), (xb, yb) = dn.dot_dimension_numbers
+    x_ndim, y_ndim = (len(v.aval.shape) for v in forward.invars[:2])
+    group = tuple(dn.rhs_group_dimensions)
+    x_kept = [a for a in range(x_ndim) if a not in xc and a not in xb]
+    y_kept = [a for a in range(y_ndim) if a not in yc and a not in yb and a not in group]
+    nb = len(xb)
+    ans_x = tuple(range(nb, nb + len(x_kept)))
+    ans_y = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+    (ragged,) = dn.lhs_ragged_dimensions
+    if ragged not in x_kept:  # ragged along a summed or batch axis: JAX has no transpose rule for it
+        return None
+    if side == 1:  # the lhs's gradient, the rhs the residual
+        return _normal(((ans_y, y_kept), (tuple(range(nb)), yb))), (nb + x_kept.index(ragged),), group
+    return _normal(((x_kept, ans_x), (xb, tuple(range(nb))))), (ragged,), ()
+
+
+def _ragged_dims(eqn):
+    dn = eqn.params["ragged_dot_dimension_numbers"]
+    as_ints = lambda axes: tuple(int(a) for a in axes)
+    return _normal(dn.dot_dimension_numbers), as_ints(dn.lhs_ragged_dimensions), as_ints(dn.rhs_group_dimensions)
+
+
 def _normal(dims):
     return tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dims)
 
@@ -101,7 +130,7 @@ def _transposes(eqn, residual: int, tag: _Tag) -> bool:
         return residual == 1 and not tag.reversed and dims == _normal(_transpose_dims(forward, side))
     if eqn.primitive is _RAGGED_DOT:
         # ragged_dot_general(g, b) for the input gradient, ragged_dot_general(a, g) for the weight's.
-        return residual == side and not tag.reversed
+        return residual == side and not tag.reversed and _ragged_dims(eqn) == _ragged_transpose_dims(forward, side)
     # conv: conv(g, rev(b)) for the input gradient, conv(a, g) for the weight gradient.
     return residual == side and tag.reversed == (side == 1)
 

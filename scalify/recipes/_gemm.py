@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import explicit_sharding
+from scalify._jax_compat import explicit_sharding, same_varying
 from scalify.recipes._recipe import ROLES, Recipe
 
 _F32 = jnp.dtype(jnp.float32)
@@ -273,7 +273,9 @@ class Contraction(NamedTuple):
     params: tuple  # sorted (name, value) pairs of the bind parameters
 
     def __call__(self, a, b, *rest, **overrides):
-        return self.primitive.bind(a, b, *rest, **{**dict(self.params), **overrides})
+        # bound directly: inside shard_map the operands' varying axes are unified here, as lax's
+        # wrappers do (a replicated weight's gradient is then summed over the sharded axes)
+        return self.primitive.bind(*same_varying(a, b, *rest), **{**dict(self.params), **overrides})
 
     def aims(self, lhs_ndim, rhs_ndim):
         aims_fn = conv_aims if self.primitive is lax.conv_general_dilated_p else dot_aims
@@ -308,9 +310,11 @@ def _fwd(recipe, op, out_dtype, scopes, x, w):
 
 
 def _like(x):
-    """A float32 stand-in for ``x`` to transpose at, with ``x``'s sharding (part of its type on an
-    explicit mesh, where the transposed GEMM's cotangent must carry it)."""
-    return jax.ShapeDtypeStruct(x.shape, _F32, sharding=jax.typeof(x).sharding)
+    """A float32 stand-in for ``x`` to transpose at, typed as ``x`` is: its sharding (part of its
+    type on an explicit mesh, where the transposed GEMM's cotangent must carry it) and, inside
+    ``shard_map``, the mesh axes it varies over (which its gradient must vary over too)."""
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(x.shape, _F32, sharding=aval.sharding, manual_axis_type=aval.manual_axis_type)
 
 
 def _g_digest(recipe: Recipe, g32):

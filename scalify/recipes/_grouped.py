@@ -6,13 +6,13 @@ For each group that is a dense linear layer, so each of its three GEMMs runs in 
 one group at a time, as a grouped-GEMM kernel and Transformer Engine's ``GroupedLinear`` (which
 quantizes each expert's weight and each group of tokens as a tensor of its own) do:
 
-    y_g  = x_g q_fwd(w[g])                     (x_g, dy_g: group g's rows)
-    dx_g = dy_g q_dgrad(w[g])^T
-    dw[g] = sum_{m in g} q_wgrad(dy)_m q_wgrad(x)_m
+    y_g   = q_fwd(x_g) q_fwd(w[g])                  (x_g, dy_g: group g's rows)
+    dx_g  = q_dgrad(dy_g) q_dgrad(w[g])^T
+    dw[g] = sum_{m in g} q_wgrad(dy_g)_m q_wgrad(x_g)_m
 
 each operand quantized per group by the dense layer's roles. Blocks along the features never mix
-rows, so MX and NVFP4 forward and input-gradient operands are the same as for the whole tensor;
-what grouping changes is every statistic over rows or over the tensor: the weight gradient's
+rows, so MX (and row-wise FP8) forward and input-gradient operands are the same as for the whole
+tensor; what grouping changes is every statistic over rows or over the tensor: the weight gradient's
 blocks, per-channel scales and Hadamard blocks along the tokens start at each group's first row
 and stop at its last (zeros pad the rest, which change no amax and add nothing to a sum), and a
 tensor-wide scale (float8 tensorwise, NVFP4's second level) is one per group and per expert.
@@ -23,7 +23,9 @@ This equals torchao's MXFP8 grouped-GEMM training path with token groups padded 
 Operands are laid out by group (:func:`by_group`: ``G`` copies of the rows, each zero but for
 its group's), so the emulation holds ``G`` times a token operand while it quantizes, as JAX's own
 CPU ``ragged_dot`` does while it multiplies. The forward and input-gradient GEMMs are then one
-``ragged_dot`` of the dequantized operands; the weight gradient one dense contraction per group.
+``ragged_dot`` of the dequantized operands; the weight gradient is one dense contraction over all
+rows per group: ``G`` times its FLOPs, as JAX's CPU ``ragged_dot`` also spends, but not a native
+grouped GEMM (GPU, TPU).
 """
 
 from __future__ import annotations
@@ -86,20 +88,24 @@ class Expert(NamedTuple):
         return cls(op, group, ragged, len(lb) + free.index(ragged))
 
     def aims(self, lhs_ndim: int, rhs_ndim: int):
+        """Each role's axes in the expert GEMM (the weight without its group axis)."""
         return self.op.aims(lhs_ndim, rhs_ndim - 1)
 
     def weight_shape(self, shape) -> tuple[int, ...]:
+        """One expert's weight shape, from the expert bank's ``shape``."""
         return tuple(n for a, n in enumerate(shape) if a != self.group)
 
 
 def _starts(sizes):
-    ends = jnp.cumsum(sizes)
-    return ends - sizes, ends
+    """Each group's first row and one past its last, in int32 (a narrow sizes dtype would wrap)."""
+    ends = jnp.cumsum(sizes.astype(jnp.int32))
+    return ends - sizes.astype(jnp.int32), ends
 
 
 def by_group(x, axis: int, sizes):
     """``x`` laid out by group along ``axis``, ``[G, *x.shape]``: ``out[g, .., i, ..] = x[.., start_g + i, ..]``
-    for ``i < sizes[g]``, zero after (``start_g``: the sum of the sizes before ``g``).
+    for ``i < sizes[g]`` and ``start_g + i < M`` (rows past the end belong to no group, as in
+    ``ragged_dot``), zero after (``start_g``: the sum of the sizes before ``g``).
 
     A block along ``axis`` of ``out[g]`` starts at group ``g``'s first row, so it never spans two groups.
     """
@@ -108,12 +114,15 @@ def by_group(x, axis: int, sizes):
             f"a recipe's grouped GEMM takes one group size per expert (group_sizes of shape (G,)); got {sizes.shape}"
         )
     m = x.shape[axis]
-    starts, _ = _starts(sizes)
-    i = jnp.arange(m, dtype=sizes.dtype)
-    rows = jnp.take(x, jnp.clip(starts[:, None] + i, 0, max(m - 1, 0)), axis=axis)  # [.., G, M, ..]
-    rows = jnp.moveaxis(rows, axis, 0)
-    inside = (i < sizes[:, None]).reshape((sizes.shape[0], *(m if a == axis else 1 for a in range(x.ndim))))
-    return jnp.where(inside, rows, jnp.zeros((), rows.dtype))
+    starts, ends = _starts(sizes)
+    i = jnp.arange(m, dtype=jnp.int32)
+    rows = starts[:, None] + i  # [G, M]
+    taken = jnp.take(x, jnp.clip(rows, 0, max(m - 1, 0)), axis=axis)  # [.., G, M, ..]
+    taken = jnp.moveaxis(taken, axis, 0)
+    inside = ((rows < ends[:, None]) & (rows < m)).reshape(
+        (sizes.shape[0], *(m if a == axis else 1 for a in range(x.ndim)))
+    )
+    return jnp.where(inside, taken, jnp.zeros((), taken.dtype))
 
 
 def from_groups(groups, axis: int, sizes):
@@ -121,7 +130,7 @@ def from_groups(groups, axis: int, sizes):
     last group are zero (``ragged_dot`` gives them a zero output)."""
     m = groups.shape[axis + 1]
     starts, ends = _starts(sizes)
-    row = jnp.arange(m, dtype=sizes.dtype)
+    row = jnp.arange(m, dtype=jnp.int32)
     gid = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, sizes.shape[0] - 1)
     picked = jnp.moveaxis(groups, axis + 1, 1)[gid, row - starts[gid]]  # [M, ..]
     picked = jnp.where((row < ends[-1]).reshape((m, *(1,) * (picked.ndim - 1))), picked, jnp.zeros((), picked.dtype))
@@ -144,10 +153,12 @@ def _experts(fn, w, group: int):
 
 
 def _check(recipe, op, expert, roles, x, w, y_shape, scopes):
+    """:func:`check_operands` on one group's operands (a group's rows are ``x``'s, padded)."""
     check_operands(recipe, expert.op, roles, x.shape, expert.weight_shape(w.shape), y_shape, scopes, grouped=True)
 
 
 def _forward(recipe, op, out_dtype, scopes, x, w, sizes):
+    """``y = ragged_dot(q_fwd(x_g), q_fwd(w[g]))`` and the quantized weight."""
     expert = Expert.of(op, x.ndim)
     _check(recipe, op, expert, ROLES[:2], x, w, (), scopes)
     aims = expert.aims(x.ndim, w.ndim)
@@ -164,6 +175,7 @@ def grouped_contraction(recipe: Recipe, op: Contraction, out_dtype, scopes: tupl
 
 
 def _fwd(recipe, op, out_dtype, scopes, x, w, sizes):
+    """The forward, keeping ``q_fwd(w)`` for the input gradient where its roles quantize alike."""
     y, wq = _forward(recipe, op, out_dtype, scopes, x, w, sizes)
     expert = Expert.of(op, x.ndim)
     aims = expert.aims(x.ndim, w.ndim)
@@ -190,6 +202,7 @@ def wgrad_operands(recipe: Recipe, expert: Expert, aims, g32, x, sizes, g_digest
 
 
 def _bwd(recipe, op, out_dtype, scopes, res, g):
+    """``dx = ragged_dot(q_dgrad(dy_g), q_dgrad(w[g])^T)`` and ``dw[g] = sum_i q(dy_g)_i q(x_g)_i``."""
     del out_dtype
     x, w, wq_fwd, sizes = res
     expert = Expert.of(op, x.ndim)
@@ -200,9 +213,9 @@ def _bwd(recipe, op, out_dtype, scopes, res, g):
     gq, wq = dgrad_operands(recipe, expert, aims, g32, w, sizes, g_digest, wq_fwd)
     (dx,) = jax.linear_transpose(lambda a: op.emulated(a, wq, sizes), _like(x))(gq)
     gg, xg = wgrad_operands(recipe, expert, aims, g32, x, sizes, g_digest)
-    w_g = jax.ShapeDtypeStruct(expert.weight_shape(w.shape), _F32)
-    per_expert = lambda xv, gv: jax.linear_transpose(lambda b: expert.op.emulated(xv, b), w_g)(gv)[0]
-    dw = jnp.moveaxis(jax.vmap(per_expert)(xg, gg), 0, expert.group)
+    # dw[g] = sum_i dy_g[i] x_g[i]: the transpose in w of every expert's dense GEMM on its rows
+    by_expert = lambda b: jax.vmap(expert.op.emulated)(xg, jnp.moveaxis(b, expert.group, 0))
+    (dw,) = jax.linear_transpose(by_expert, _like(w))(gg)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 

@@ -104,3 +104,41 @@ def test_block_split_by_a_shard_is_an_error(axes):
 
     with pytest.raises(ValueError, match=r"shard_map operand 0.*axis 1 over 'm'.*block of 32.*at most 2 devices"):
         jsa.scalify(f)(x)
+
+
+def _layer(kind: str):
+    """A data-parallel layer on a shard of the tokens: a dense projection or an expert bank of two
+    experts (``lax.ragged_dot``, each shard's 32 tokens in groups of 12 and 20)."""
+    from jax import lax
+
+    if kind == "dense":
+        return lambda x, w: jnp.sum(jnp.tanh(x @ w))
+    sizes = jnp.asarray([12, 20], jnp.int32)
+    return lambda x, w: jnp.sum(jnp.tanh(lax.ragged_dot(x, w, sizes)))
+
+
+@pytest.mark.parametrize("kind", ["dense", "grouped"])
+@pytest.mark.parametrize("name", ["mxfp8", "float8_tensorwise"])
+def test_recipe_gradient_of_a_shard_map_step_with_replicated_weights(kind, name):
+    """``jax.grad(recipes.apply(loss))`` of a ``shard_map`` body with tokens sharded 8 ways and the
+    weight replicated: the backward GEMMs bind primitives directly, which got no ``pvary`` for the
+    replicated weight ("dot_general requires varying manual axes to match" / "ragged_dot ...",
+    then a gradient typed unlike its input). The weight's gradient is now summed over the shards:
+    equal to the same recipe on each shard's tokens in turn, summed."""
+    from scalify import recipes
+
+    mesh = jax.make_mesh((8,), ("d",))
+    layer = _layer(kind)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 64)), jnp.float32)
+    shape = (64, 32) if kind == "dense" else (2, 64, 32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(shape) * 0.1, jnp.float32)
+    per_shard = jax.jit(jax.grad(recipes.apply(layer, name), argnums=(0, 1)))
+    parts = [per_shard(x[i * 32 : (i + 1) * 32], w) for i in range(8)]
+    want_dx, want_dw = jnp.concatenate([p[0] for p in parts]), sum(p[1] for p in parts)
+    with jax.set_mesh(mesh):
+        body = jax.shard_map(lambda a, b: jax.lax.psum(layer(a, b), "d"), in_specs=(P("d"), P()), out_specs=P())
+        dx, dw = jax.jit(jax.grad(recipes.apply(body, name), argnums=(0, 1)))(
+            jax.device_put(x, P("d")), jax.device_put(w, P())
+        )
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-5, atol=1e-6 * float(np.abs(want_dw).max()))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 from scalify import recipes
+from scalify.amp._transposes import Transposes
 from scalify.recipes import _grouped
 from scalify.recipes._gemm import Contraction
 
@@ -26,7 +27,9 @@ RECIPES = {
     "mxfp8": recipes.MXFP8,
     "mxfp8_rceil": recipes.MXFP8_RCEIL,
     "mxfp4": recipes.MXFP4,
+    "mxfp4_rceil": recipes.MXFP4_RCEIL,
     "float8_tensorwise": recipes.FLOAT8_TENSORWISE,
+    "float8_tensorwise_pow2": recipes.FLOAT8_TENSORWISE_POW2,
     "float8_rowwise": recipes.FLOAT8_ROWWISE,
     # NVIDIA's recipe (2-D weight tiles, per-tensor second-level scales, the Hadamard transform on the
     # weight gradient) without its stochastic rounding, whose draws depend on the layout
@@ -90,15 +93,17 @@ def test_grouped_gemm_is_each_expert_under_the_recipe(name, case):
     assert not np.any(np.asarray(ours[0])[taken:]) and not np.any(np.asarray(ours[1])[taken:])
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "float8_rowwise", "nvfp4_nearest"])
+@pytest.mark.parametrize("name", ["mxfp8", "float8_rowwise", "float8_tensorwise", "nvfp4_nearest"])
 def test_a_gradient_taken_inside_pairs_the_grouped_gemms(name):
     """A training step that takes its gradient inside: JAX's transposition emits the grouped GEMM's
     input gradient (a ragged_dot) and weight gradient (a ragged_dot summing over each group's rows);
-    both pair with the forward one and equal the custom VJP's, bit for bit."""
+    both pair with the forward one and equal the custom VJP's, bit for bit (FLOAT8_TENSORWISE's
+    E5M2 gradients tell an unpaired input gradient, run in the forward roles, apart)."""
     x, w, dy = _inputs()
     gs = jnp.asarray(SIZES["unaligned"], jnp.int32)
     f = lambda a, b: lax.ragged_dot(a, b, gs)
     step = lambda a, b: jax.vjp(f, a, b)[1](dy)
+    assert Transposes(jax.make_jaxpr(step)(x, w)).counts == (2, 2)
     inside = jax.jit(recipes.apply(step, RECIPES[name]))(x, w)
     outside = jax.vjp(recipes.apply(f, RECIPES[name]), x, w)[1](dy)
     for i, o in zip(inside, outside, strict=True):
@@ -173,3 +178,36 @@ def test_a_grouped_gemm_kept_by_scope_is_the_program():
         np.testing.assert_array_equal(g, r)
     quantized = recipes.apply(experts, recipes.MXFP8)(x, w)
     assert not np.array_equal(quantized, experts(x, w))
+
+
+def test_a_users_own_grouped_backward_is_not_taken_for_the_input_gradient():
+    """A ``custom_vjp`` whose backward writes its own ``ragged_dot(g, w)`` summing over the experts'
+    K axis (square experts, so the shapes fit) is not JAX's input gradient, which sums over N: it
+    is not paired (its dimension numbers are not the transpose rule's)."""
+    gs = jnp.asarray([20, 44], jnp.int32)
+    x, w, dy = _data((64, 32), 0), _data((2, 32, 32), 1), _data((64, 32), 2)
+
+    @jax.custom_vjp
+    def f(a, b):
+        return lax.ragged_dot(a, b, gs)
+
+    f.defvjp(lambda a, b: (f(a, b), (a, b)), lambda r, g: (lax.ragged_dot(g, r[1], gs), jnp.zeros_like(r[1])))
+    assert Transposes(jax.make_jaxpr(lambda a, b: jax.vjp(f, a, b)[1](dy))(x, w)).counts[0] == 0
+
+
+@pytest.mark.parametrize("sizes", [[20, 30], [20, 60], [64, 0], [0, 0], [0, 64], [60, 60, 0]], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8])
+def test_grouped_gemm_is_ragged_dot_on_exact_values(sizes, dtype):
+    """On integers in [-8, 8] (exact in E4M3 with any power-of-two block scale, and their sums in
+    float32) the MXFP8 grouped GEMM is ``ragged_dot`` itself, for groups that leave rows over, run
+    past the last row (JAX drops those rows), or are empty; group sizes in int8 too (with 160 rows,
+more than int8 counts, for three groups)."""
+    rng = np.random.default_rng(0)
+    m, g = (160, 3) if len(sizes) == 3 else (64, 2)
+    x, w, dy = (jnp.asarray(rng.integers(-8, 9, s), jnp.float32) for s in ((m, 32), (g, 32, 32), (m, 32)))
+    gs = jnp.asarray(sizes, dtype)
+    f = lambda a, b: lax.ragged_dot(a, b, gs)
+    y, vjp = jax.vjp(recipes.apply(f, recipes.MXFP8), x, w)
+    y0, vjp0 = jax.vjp(f, x, w)
+    for ours, ref in zip((y, *vjp(dy)), (y0, *vjp0(dy)), strict=True):
+        np.testing.assert_array_equal(ours, ref)
