@@ -199,9 +199,9 @@ def test_a_users_own_grouped_backward_is_not_taken_for_the_input_gradient():
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8])
 def test_grouped_gemm_is_ragged_dot_on_exact_values(sizes, dtype):
     """On integers in [-8, 8] (exact in E4M3 with any power-of-two block scale, and their sums in
-    float32) the MXFP8 grouped GEMM is ``ragged_dot`` itself, for groups that leave rows over, run
-    past the last row (JAX drops those rows), or are empty; group sizes in int8 too (with 160 rows,
-more than int8 counts, for three groups)."""
+        float32) the MXFP8 grouped GEMM is ``ragged_dot`` itself, for groups that leave rows over, run
+        past the last row (JAX drops those rows), or are empty; group sizes in int8 too (with 160 rows,
+    more than int8 counts, for three groups)."""
     rng = np.random.default_rng(0)
     m, g = (160, 3) if len(sizes) == 3 else (64, 2)
     x, w, dy = (jnp.asarray(rng.integers(-8, 9, s), jnp.float32) for s in ((m, 32), (g, 32, 32), (m, 32)))
