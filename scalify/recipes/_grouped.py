@@ -152,15 +152,15 @@ def _experts(fn, w, group: int):
     return jax.vmap(fn, in_axes=(group, 0), out_axes=group)(w, jnp.arange(w.shape[group]))
 
 
-def _check(recipe, op, expert, roles, x, w, y_shape, scopes):
+def _check(recipe, expert, roles, x_shape, w_shape, y_shape, scopes):
     """:func:`check_operands` on one group's operands (a group's rows are ``x``'s, padded)."""
-    check_operands(recipe, expert.op, roles, x.shape, expert.weight_shape(w.shape), y_shape, scopes, grouped=True)
+    check_operands(recipe, expert.op, roles, x_shape, expert.weight_shape(w_shape), y_shape, scopes, grouped=True)
 
 
 def _forward(recipe, op, out_dtype, scopes, x, w, sizes):
     """``y = ragged_dot(q_fwd(x_g), q_fwd(w[g]))`` and the quantized weight."""
     expert = Expert.of(op, x.ndim)
-    _check(recipe, op, expert, ROLES[:2], x, w, (), scopes)
+    _check(recipe, expert, ROLES[:2], x.shape, w.shape, (), scopes)
     aims = expert.aims(x.ndim, w.ndim)
     xq = _tokens(lambda v, g: quantize_operand(recipe, "fwd_lhs", v, aims["fwd_lhs"], group=g), x, expert.x_axis, sizes)
     wq = _experts(lambda v, g: quantize_operand(recipe, "fwd_rhs", v, aims["fwd_rhs"], group=g), w, expert.group)
@@ -206,7 +206,7 @@ def _bwd(recipe, op, out_dtype, scopes, res, g):
     del out_dtype
     x, w, wq_fwd, sizes = res
     expert = Expert.of(op, x.ndim)
-    _check(recipe, op, expert, ROLES[2:], x, w, g.shape, scopes)
+    _check(recipe, expert, ROLES[2:], x.shape, w.shape, g.shape, scopes)
     aims = expert.aims(x.ndim, w.ndim)
     g32 = g.astype(_F32)
     g_digest = _g_digest(recipe, g32)
@@ -227,8 +227,7 @@ def transposed_operands(recipe: Recipe, op: Contraction, gemm: str, scopes: tupl
     computes itself (a gradient taken inside the function the recipe is applied to): the input
     gradient's ``(dy, w)`` in their layouts, the weight gradient's ``(dy, x)`` laid out by group."""
     expert = Expert.of(op, len(x_shape))
-    shapes = jax.ShapeDtypeStruct(x_shape, _F32), jax.ShapeDtypeStruct(w_shape, _F32)
-    _check(recipe, op, expert, (f"{gemm}_lhs", f"{gemm}_rhs"), *shapes, g.shape, scopes)
+    _check(recipe, expert, (f"{gemm}_lhs", f"{gemm}_rhs"), x_shape, w_shape, g.shape, scopes)
     aims = expert.aims(len(x_shape), len(w_shape))
     g32 = g.astype(_F32)
     operands = dgrad_operands if gemm == "dgrad" else wgrad_operands
