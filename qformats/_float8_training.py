@@ -15,6 +15,8 @@ float32 gives the same number, because float64 carries more than twice float32's
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,8 @@ class ReciprocalScaleFloat8(ScaledFormat):
     ``round_scales_to_power_of_2``), which makes ``1 / r`` exact. ``scale_values`` returns the
     multiplier ``1 / r`` (for code that multiplies); :meth:`dequantize` divides, as torchao does.
     """
+
+    local_scales: ClassVar[bool] = True
 
     name: str
     element: _elements.FloatElement

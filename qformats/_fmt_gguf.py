@@ -17,6 +17,8 @@ ggml does.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,8 @@ def _blocks(x, size=32):
 @attrs.frozen
 class GGUFQ8_0Format(ScaledFormat):
     """GGUF Q8_0: ``w = f32(int8 q) * f32(float16 d)`` per block of 32 (see the module docstring)."""
+
+    local_scales: ClassVar[bool] = True
 
     name: str = "gguf_q8_0"
     out_dtype: str = "float32"
@@ -111,6 +115,8 @@ class GGUFQ4_0Format(ScaledFormat):
 
     :meth:`scale_values` returns the signed ``d``, so a block's multiplier can be negative.
     """
+
+    local_scales: ClassVar[bool] = True
 
     name: str = "gguf_q4_0"
     out_dtype: str = "float32"

@@ -125,6 +125,12 @@ class ScaledFormat(abc.ABC):
     #: (negative and fixed, as GGUF's last-axis blocks), leaves it empty.
     axis_fields: ClassVar[tuple[str, ...]] = ()
 
+    #: Whether each block's scale is computed from that block's values alone (MX, per-channel,
+    #: per-line and per-tensor scales), so that :meth:`separable` can be read off the layout. False
+    #: (the default, always safe) where a scale also sees values outside its block, as NVFP4's
+    #: second-level tensor scale does, or where the format does not say.
+    local_scales: ClassVar[bool] = False
+
     # -- the contract -----------------------------------------------------------------------------
     @property
     @abc.abstractmethod
@@ -164,6 +170,20 @@ class ScaledFormat(abc.ABC):
         """
         del contracted, free
         return self
+
+    def separable(self, shape, axis: int) -> bool:
+        """Whether the slices of an ``x`` of ``shape`` along ``axis`` quantize alone: rounded to
+        nearest, ``fake_quantize(x)`` is, bit for bit, each slice ``x[.., i:i+1, ..]`` quantized on
+        its own and the results stacked.
+
+        True when every scale is computed from its own block (:attr:`local_scales`) and the blocks
+        are one element wide along ``axis``: MX blocks, per-line and per-channel scales along rows
+        are separable by rows. A caller that needs statistics per group of slices (a grouped GEMM's
+        token groups) may then quantize the whole array once; where this is False it quantizes
+        each group itself.
+        """
+        a = _layout.normalize_axis(axis, len(shape), self.name)
+        return self.local_scales and self.block_shape(tuple(shape))[a] == 1
 
     def quantize_stochastic(self, x, key):
         """:meth:`quantize` with elements rounded stochastically (unbiased) using PRNG ``key``.

@@ -129,6 +129,7 @@ class MXFormat(ScaledFormat):
     """
 
     axis_fields: ClassVar[tuple[str, ...]] = ("axis",)
+    local_scales: ClassVar[bool] = True
 
     name: str
     element: object

@@ -70,6 +70,11 @@ class NVFP4Format(ScaledFormat):
     nan_scope: str = attrs.field(default="tensor", validator=_check_nan_scope)
 
     @property
+    def local_scales(self) -> bool:
+        """Single-level scales see their block alone; the two-level tensor scale sees every value."""
+        return not self.tensor_scale
+
+    @property
     def element(self):
         return _FP4
 

@@ -28,6 +28,7 @@ class PerChannelIntFormat(ScaledFormat):
     """
 
     axis_fields: ClassVar[tuple[str, ...]] = ("axis",)
+    local_scales: ClassVar[bool] = True
 
     name: str = "int8_per_channel"
     axis: int = -1

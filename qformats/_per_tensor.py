@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,8 @@ class PerTensorFormat(ScaledFormat):
 
     A zero tensor gets scale 1; a tensor holding NaN or Inf gets a NaN scale.
     """
+
+    local_scales: ClassVar[bool] = True
 
     name: str
     element: _elements.FloatElement

@@ -140,6 +140,17 @@ def _fit(recipe: Recipe, role: str, aim: _Aim, shape):
         return fmt, view
 
 
+def rows_alone(recipe: Recipe, role: str, aim: _Aim, shape, axis: int) -> bool:
+    """Whether the role quantizes the slices of an operand of ``shape`` along ``axis`` each on its
+    own (:meth:`qformats.ScaledFormat.separable` on the operand's own axes, rounding to nearest):
+    then any group of slices quantized as a tensor of its own is the same as those slices of the
+    whole operand quantized at once. True for a high-precision role."""
+    if role in recipe.stochastic_rounding:
+        return False
+    fmt, view = _fit(recipe, role, aim, shape)
+    return fmt is None or (view is None and fmt.separable(tuple(shape), axis))
+
+
 def _quantizes_alike(recipe: Recipe, roles, aims, shape) -> bool:
     """Whether two roles quantize an operand of ``shape`` to the same values, so one result serves
     both: neither rounds stochastically, and their aimed formats differ at most in their axis

@@ -20,7 +20,7 @@ from jax import lax
 from scalify import recipes
 from scalify.amp._transposes import Transposes
 from scalify.recipes import _grouped
-from scalify.recipes._gemm import Contraction
+from scalify.recipes._gemm import Contraction, quantize_operand
 
 M, K, N, G = 128, 64, 96, 4
 RECIPES = {
@@ -211,3 +211,43 @@ def test_grouped_gemm_is_ragged_dot_on_exact_values(sizes, dtype):
     y0, vjp0 = jax.vjp(f, x, w)
     for ours, ref in zip((y, *vjp(dy)), (y0, *vjp0(dy)), strict=True):
         np.testing.assert_array_equal(ours, ref)
+
+
+def _shapes(jaxpr):
+    """The shapes of every value a jaxpr and its nested jaxprs compute."""
+    for eqn in jaxpr.eqns:
+        yield from (tuple(v.aval.shape) for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _shapes(inner)
+
+
+@pytest.mark.parametrize(
+    ("name", "once"),
+    [
+        ("mxfp8", True),
+        ("mxfp4", True),
+        ("float8_rowwise", True),
+        ("float8_tensorwise", False),
+        ("nvfp4_nearest", False),
+    ],
+)
+def test_forward_token_operands_whose_rows_quantize_alone_are_quantized_once(name, once):
+    """MX blocks and row-wise scales along the features see one token each, so the forward's token
+    operand is quantized once (no copy per group); a tensor-wide scale is one per group, so it
+    quantizes group by group, laid out by group. Either way each token operand is the per-group
+    formula's: every group's rows laid out by group, quantized as a tensor of their own, put back."""
+    recipe, sizes = RECIPES[name], jnp.asarray(SIZES["short"], jnp.int32)
+    x, w, dy = _inputs()
+    expert, aims = _expert(x, w, sizes)
+    forward = recipes.apply(lambda u, v: lax.ragged_dot(u, v, sizes), recipe)
+    assert ((G, M, K) not in set(_shapes(jax.make_jaxpr(forward)(x, w).jaxpr))) is once  # x laid out by group
+    for role, v, axis in (("fwd_lhs", x, expert.x_axis), ("dgrad_lhs", dy, expert.y_axis)):
+        by_group = _grouped.by_group(jnp.asarray(v), axis, sizes)
+        each = jax.vmap(lambda u, role=role: quantize_operand(recipe, role, u, aims[role]))(by_group)
+        ref = np.asarray(_grouped.from_groups(each, axis, sizes))
+        tokens = _grouped._forward_tokens if role == "fwd_lhs" else _grouped._tokens
+        np.testing.assert_array_equal(np.asarray(tokens(recipe, role, aims[role], v, axis, sizes)), ref)
+        assert not np.any(ref[sum(SIZES["short"]) :])

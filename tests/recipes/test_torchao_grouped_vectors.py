@@ -118,9 +118,7 @@ def test_grouped_forward_and_gradients_match_torchao(path):
     y, vjp = jax.vjp(jax.jit(recipes.apply(lambda a, b: lax.ragged_dot(a, b, sizes), recipe)), x, w)
     dx, dw = vjp(dy)
     expert, aims = _expert(x, w, sizes)
-    q = lambda role, v, axis: np.asarray(
-        _grouped._tokens(lambda u, g: quantize_operand(recipe, role, u, aims[role]), jnp.asarray(v), axis, sizes)
-    )
+    q = lambda role, v, axis: np.asarray(_grouped._tokens(recipe, role, aims[role], jnp.asarray(v), axis, sizes))
     qw = lambda role: np.asarray(jax.vmap(lambda u: quantize_operand(recipe, role, u, aims[role]))(w))
     groups = np.repeat(np.arange(len(z["sizes"])), z["sizes"])
     xq, dyq, wf, wd = q("fwd_lhs", x, 0), q("dgrad_lhs", dy, 0), qw("fwd_rhs"), qw("dgrad_rhs")
