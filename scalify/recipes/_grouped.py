@@ -136,8 +136,13 @@ def from_groups(groups, axis: int, sizes):
     row = jnp.arange(m, dtype=jnp.int32)
     gid = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, sizes.shape[0] - 1)
     picked = jnp.moveaxis(groups, axis + 1, 1)[gid, row - starts[gid]]  # [M, ..]
-    picked = jnp.where((row < ends[-1]).reshape((m, *(1,) * (picked.ndim - 1))), picked, jnp.zeros((), picked.dtype))
-    return jnp.moveaxis(picked, 0, axis)
+    return _in_groups(jnp.moveaxis(picked, 0, axis), axis, sizes)
+
+
+def _in_groups(x, axis: int, sizes):
+    """``x`` with its rows past the last group zero (they belong to no group)."""
+    rows = jnp.arange(x.shape[axis], dtype=jnp.int32) < _starts(sizes)[1][-1]
+    return jnp.where(rows.reshape([-1 if a == axis else 1 for a in range(x.ndim)]), x, jnp.zeros((), x.dtype))
 
 
 def _per_group(fn, groups, *more):
@@ -164,12 +169,6 @@ def _forward_tokens(recipe: Recipe, role: str, aim, x, axis: int, sizes):
     if rows_alone(recipe, role, aim, x.shape, axis):
         return _in_groups(quantize_operand(recipe, role, x, aim), axis, sizes)
     return _tokens(recipe, role, aim, x, axis, sizes)
-
-
-def _in_groups(x, axis: int, sizes):
-    """``x`` with its rows past the last group zero (they belong to no group)."""
-    rows = jnp.arange(x.shape[axis], dtype=jnp.int32) < _starts(sizes)[1][-1]
-    return jnp.where(rows.reshape([-1 if a == axis else 1 for a in range(x.ndim)]), x, jnp.zeros((), x.dtype))
 
 
 def _experts(fn, w, group: int):
