@@ -255,7 +255,10 @@ def _cmp(eqn, *xs):
 
 
 register_rule(
-    [p.eq_p, p.ne_p, p.lt_p, p.le_p, p.gt_p, p.ge_p],
+    [p.eq_p, p.ne_p, p.lt_p, p.le_p, p.gt_p, p.ge_p]
+    # the total-order comparisons (-0 < +0, NaNs ordered): a positive power-of-two rescale keeps
+    # signs, zeros and NaNs, so their order too
+    + [q for q in map(lax_primitive, ("eq_to", "lt_to", "le_to")) if q is not None],
     "commuting",
     "operands brought to a common scale (max) in float32, then compared. Plain bool output.",
 )(_cmp)
@@ -271,6 +274,18 @@ register_rule(
     "commuting",
     "operands brought to a common scale (max of scales; equal scales: data untouched), then max/min of data.",
 )(_maxmin)
+
+
+@register_rule(
+    [p.scatter_max_p, p.scatter_min_p],
+    "commuting",
+    "operand and updates folded to per-tensor and brought to a common scale (max), then scatter-max/min "
+    "of data (jax.ops.segment_max, x.at[i].max); indices plain.",
+)
+def _scatter_extremum(eqn, operand, indices, updates):
+    # max(sa * a, su * u) = s * max(a * sa / s, u * su / s) for a positive common scale s.
+    datas, s = align([fold(q) if isinstance(q, ScaledArray) else q for q in (operand, updates)])
+    return ScaledArray(bind_eqn(eqn, [datas[0], indices, datas[1]])[0], s)
 
 
 @register_rule(p.clamp_p, "commuting", "bounds and operand brought to a common scale (max), clamp on data.")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import jax.lax.linalg as linalg
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -209,3 +210,49 @@ def _generic(eqn, *xs):
     if not jnp.issubdtype(out.dtype, jnp.floating):
         return out
     return requant(out, _out_dtype(eqn))
+
+
+# Factorizations and solves: their outputs are new values (eigenvalues, factors, solutions) with
+# ranges of their own, so no scale carries over; several have several outputs (eigh: vectors and
+# values; lu: factors, pivots, permutation). The generic variadic reduce is here too: its
+# computation is an arbitrary jaxpr, typed in the program's dtype.
+_FACTORIZATIONS = [
+    getattr(linalg, n)
+    for n in (
+        "cholesky_p",
+        "cholesky_update_p",
+        "eig_p",
+        "eigh_p",
+        "hessenberg_p",
+        "householder_product_p",
+        "lu_p",
+        "ormqr_p",
+        "qr_p",
+        "schur_p",
+        "svd_p",
+        "symmetric_product_p",
+        "triangular_solve_p",
+        "tridiagonal_p",
+        "tridiagonal_solve_p",
+    )
+    if hasattr(linalg, n)
+]
+
+
+@register_rule(
+    _FACTORIZATIONS + _prims("scatter_mul_p", "reduce_p"),
+    "nonlinear",
+    "dequantize, compute in float32 (reduce: in the program's dtype, which its computation is typed in), "
+    "re-quantize each floating output: per-tensor carrier, scale = amax rounded to 2^k; integer "
+    "(pivots) and complex (eig) outputs plain.",
+)
+def _dequantized_outputs(eqn, *xs):
+    """``f(values)`` for every output of ``eqn``: ``requant(out)`` for a floating output, else ``out``."""
+    typed = eqn.primitive is p.reduce_p
+    dtypes = [v.aval.dtype if typed and jnp.issubdtype(v.aval.dtype, jnp.floating) else F32 for v in eqn.invars]
+    outs = bind_eqn(eqn, [dequant(x, d) for x, d in zip(xs, dtypes, strict=True)])
+    outs = [
+        requant(o, v.aval.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else o
+        for o, v in zip(outs, eqn.outvars, strict=True)
+    ]
+    return outs if eqn.primitive.multiple_results else outs[0]

@@ -186,7 +186,9 @@ def test_device_put_moves_data_and_scale(fmt_name, how):
     It had no rule (``ScalifyUnsupportedError``) for a scaled operand."""
     from jax.ad_checkpoint import checkpoint_name
 
-    w = make_scaled(jnp.asarray(RNG.standard_normal((32, 32)), jnp.float32), FORMATS[fmt_name])
+    # Its own generator: drawn from the module's RNG, the weights depended on which tests ran
+    # before in the same process (an xdist worker's share).
+    w = make_scaled(jnp.asarray(np.random.default_rng(5).standard_normal((32, 32)), jnp.float32), FORMATS[fmt_name])
     if how == "offload_policy":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
@@ -196,13 +198,20 @@ def test_device_put_moves_data_and_scale(fmt_name, how):
         )
         block = jax.checkpoint(lambda w, x: jnp.tanh(checkpoint_name(x @ w, "proj")) @ w, policy=policy)
         f = jax.grad(lambda w, x: jnp.sum(block(w, block(w, x)) ** 2))
+        # The gradient of two chained blocks sums K=32 products four times over, in another order
+        # than the float32 program, and int8's per-channel scales (amax / 127) are not powers of two,
+        # so its carrier rescales round too. Measured over 30 weight draws and three inputs, as the
+        # smallest tolerance this check passes with: at most 2.8e-5 for int8 per channel, 1.3e-6 for
+        # MXFP8.
+        rtol = 1e-4
     else:
 
         def f(w, x):
             host = jax.device_put(w, jax.memory.Space.Host)
             return jnp.tanh(x @ jax.device_put(host, jax.memory.Space.Device))
 
-    check_against_dequantized(jax.jit(f), w, X, rtol=1e-5)
+        rtol = 1e-5
+    check_against_dequantized(jax.jit(f), w, X, rtol=rtol, atol=rtol)
 
 
 def test_checkpoint_name_is_kept_on_data_and_scale(capsys):
@@ -361,9 +370,9 @@ def test_logsumexp_jit_finite_and_correct():
 def test_unsupported_primitive_error_message():
     sx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
     with pytest.raises(jsa.ScalifyUnsupportedError) as info:
-        jsa.scalify(lambda v: jnp.linalg.qr(v)[0])(sx)
+        jsa.scalify(lambda v: jax.lax.bitcast_convert_type(v, jnp.int32))(sx)  # the stored bits have no value
     msg = str(info.value)
-    assert "primitive `" in msg and "mxfp8" in msg and "scalify.ops.dequantize" in msg
+    assert "primitive `bitcast_convert_type`" in msg and "mxfp8" in msg and "scalify.ops.dequantize" in msg
 
 
 def test_explicit_dequantize_is_the_way_forward():

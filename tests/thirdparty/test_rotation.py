@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from thirdparty_harness import COVERED_BY_FAMILY, FAMILY_REPRESENTATIVES, STEP_ROTATION, runs_step
+from thirdparty_harness import COVERED_BY_FAMILY, FAMILY_REPRESENTATIVES, STEP_ONLY, STEP_ROTATION, runs_step
 
 
 def test_every_covered_format_trains_in_two_suites():
@@ -16,7 +16,7 @@ def test_every_covered_format_trains_in_two_suites():
 
 def test_rotation_names_existing_suites():
     here = Path(__file__).parent
-    for module in STEP_ROTATION:
+    for module in [*STEP_ROTATION, *STEP_ONLY]:
         assert (here / f"{module}.py").is_file(), module
 
 
@@ -28,3 +28,12 @@ def test_representatives_and_loss_are_never_deselected():
             assert runs_step(module, "test_loss", name)
             assert runs_step(module, "test_grad", name) == (name in STEP_ROTATION[module])
     assert runs_step("test_flax", "test_grad", "a_users_format")
+
+
+def test_step_only_suites_run_their_formats_steps_and_every_loss():
+    assert not set(STEP_ONLY) & set(STEP_ROTATION)
+    for module, names in STEP_ONLY.items():
+        assert set(names) <= set(FAMILY_REPRESENTATIVES), names
+        for name in [*FAMILY_REPRESENTATIVES, *COVERED_BY_FAMILY, "a_users_format"]:
+            assert runs_step(module, "test_loss", name)
+            assert runs_step(module, "test_adam_update", name) == (name in names)
