@@ -217,7 +217,17 @@ _scatter_sub_p = lax_primitive("scatter-sub")
     "max for scatter); indices plain.",
 )
 def _scatter(eqn, operand, indices, updates):
-    combine = None if eqn.primitive is p.scatter_p else combine_l2
+    combine = None if eqn.primitive in (p.scatter_p, p.scatter_max_p, p.scatter_min_p) else combine_l2
     ops = [fold(q) if isinstance(q, ScaledArray) else q for q in (operand, updates)]
     datas, s = align(ops, combine) if combine else align(ops)
     return ScaledArray(bind_eqn(eqn, [datas[0], indices, datas[1]])[0], s)
+
+
+# max(sa * a, su * u) = s * max(a * sa / s, u * su / s) for a positive common scale s: data selected,
+# not computed, so the scatter above serves, under the property that makes it right here.
+register_rule(
+    [p.scatter_max_p, p.scatter_min_p],
+    "commuting",
+    "operand and updates folded to per-tensor and brought to a common scale (max), then scatter-max/min "
+    "of data (jax.ops.segment_max, x.at[i].max); indices plain.",
+)(_scatter)

@@ -276,18 +276,6 @@ register_rule(
 )(_maxmin)
 
 
-@register_rule(
-    [p.scatter_max_p, p.scatter_min_p],
-    "commuting",
-    "operand and updates folded to per-tensor and brought to a common scale (max), then scatter-max/min "
-    "of data (jax.ops.segment_max, x.at[i].max); indices plain.",
-)
-def _scatter_extremum(eqn, operand, indices, updates):
-    # max(sa * a, su * u) = s * max(a * sa / s, u * su / s) for a positive common scale s.
-    datas, s = align([fold(q) if isinstance(q, ScaledArray) else q for q in (operand, updates)])
-    return ScaledArray(bind_eqn(eqn, [datas[0], indices, datas[1]])[0], s)
-
-
 @register_rule(p.clamp_p, "commuting", "bounds and operand brought to a common scale (max), clamp on data.")
 def _clamp(eqn, lo, x, hi):
     (dlo, dx, dhi), s = align([lo, x, hi])

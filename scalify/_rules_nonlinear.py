@@ -34,8 +34,8 @@ from scalify._rules_common import (
 from scalify._scaled_array import ScaledArray, cast, expand_scale
 
 
-def _prims(*names):
-    return [getattr(p, n) for n in names if hasattr(p, n)]
+def _prims(*names, module=p):
+    return [getattr(module, n) for n in names if hasattr(module, n)]
 
 
 def _out_dtype(eqn):
@@ -200,43 +200,28 @@ _GENERIC = _prims(
 )
 
 
-@register_rule(
-    _GENERIC,
-    "nonlinear",
-    "dequantize, compute in float32, re-quantize: per-tensor carrier, scale = amax rounded to 2^k.",
-)
-def _generic(eqn, *xs):
-    out = _f32_eval(eqn, *xs)
-    if not jnp.issubdtype(out.dtype, jnp.floating):
-        return out
-    return requant(out, _out_dtype(eqn))
-
-
 # Factorizations and solves: their outputs are new values (eigenvalues, factors, solutions) with
 # ranges of their own, so no scale carries over; several have several outputs (eigh: vectors and
 # values; lu: factors, pivots, permutation). The generic variadic reduce is here too: its
 # computation is an arbitrary jaxpr, typed in the program's dtype.
-_FACTORIZATIONS = [
-    getattr(linalg, n)
-    for n in (
-        "cholesky_p",
-        "cholesky_update_p",
-        "eig_p",
-        "eigh_p",
-        "hessenberg_p",
-        "householder_product_p",
-        "lu_p",
-        "ormqr_p",
-        "qr_p",
-        "schur_p",
-        "svd_p",
-        "symmetric_product_p",
-        "triangular_solve_p",
-        "tridiagonal_p",
-        "tridiagonal_solve_p",
-    )
-    if hasattr(linalg, n)
-]
+_FACTORIZATIONS = _prims(
+    "cholesky_p",
+    "cholesky_update_p",
+    "eig_p",
+    "eigh_p",
+    "hessenberg_p",
+    "householder_product_p",
+    "lu_p",
+    "ormqr_p",
+    "qr_p",
+    "schur_p",
+    "svd_p",
+    "symmetric_product_p",
+    "triangular_solve_p",
+    "tridiagonal_p",
+    "tridiagonal_solve_p",
+    module=linalg,
+)
 
 
 @register_rule(
@@ -256,3 +241,10 @@ def _dequantized_outputs(eqn, *xs):
         for o, v in zip(outs, eqn.outvars, strict=True)
     ]
     return outs if eqn.primitive.multiple_results else outs[0]
+
+
+register_rule(
+    _GENERIC,
+    "nonlinear",
+    "dequantize, compute in float32, re-quantize: per-tensor carrier, scale = amax rounded to 2^k.",
+)(_dequantized_outputs)
