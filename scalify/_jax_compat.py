@@ -38,6 +38,7 @@ scan_p = prims.scan_p
 remat_p = prims.remat_p
 name_p = prims.name_p  # jax.ad_checkpoint.checkpoint_name
 closed_call_p = prims.closed_call_p
+linear_solve_p = prims.linear_solve_p  # jax.lax.custom_linear_solve
 add_any_p = prims.add_jaxvals_p
 jaxprs_in_params = jex.jaxprs_in_params
 
@@ -53,6 +54,8 @@ def _private(module: str, name: str):
 
 
 shard_map_p = _private("jax._src.shard_map", "shard_map_p")
+# jax.pure_callback and jax.experimental.io_callback (not named by jax.extend).
+host_callback_ps = [c for c in (_private("jax._src.callback", n) for n in ("pure_callback_p", "io_callback_p")) if c]
 
 # Collectives of shard_map and sharding annotations (JAX 0.10: psum of a varying value binds
 # psum_invariant, the vma checker inserts pvary; older JAX has neither; reshard_p is what jnp inserts
@@ -363,6 +366,15 @@ def source_line(eqn) -> str:
         return _siu.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - best effort: an error message must not fail
         return "unknown"
+
+
+def traced_with_hoisted_consts(fn, *args) -> tuple:
+    """``(closed, consts)``: ``fn`` traced on ``args`` as a ClosedJaxpr with no consts whose leading
+    invars take ``consts`` (the form ``custom_linear_solve`` keeps its sub-jaxprs in)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    traced = jax.make_jaxpr(fn)(*args)
+    return ClosedJaxpr(pe.convert_constvars_jaxpr(traced.jaxpr), ()), list(traced.consts)
 
 
 def wrap_init(f, like):

@@ -41,9 +41,11 @@ from scalify._jax_compat import (
     custom_vjp_call_p,
     custom_vjp_fwd_jaxpr,
     jit_p,
+    linear_solve_p,
     remat_p,
     scan_p,
     shard_map_p,
+    traced_with_hoisted_consts,
     while_p,
 )
 from scalify._registry import register_rule
@@ -61,7 +63,7 @@ from scalify._rules_common import (
 )
 from scalify._scaled_array import ScaledArray, block_of, expand_scale, is_scaled_leaf, to_carrier
 from scalify._sharding import scaled_sharding
-from scalify._walk import derivative_rule, jaxprs, operand_groups, options, rebuild
+from scalify._walk import bind_params, derivative_rule, jaxprs, operand_groups, options, rebuild
 
 _JIT_CACHE: dict = {}
 
@@ -554,6 +556,45 @@ def _shard_map(eqn, *args):
         return tuple(_shard_out(o) for o in eval_closed(body, *xs))
 
     return list(jax.shard_map(local, in_specs=in_specs, **opts)(*args))
+
+
+# -- custom_linear_solve ------------------------------------------------------------------------------
+def _as_values(outs, avals):
+    return [dequant(o, a.dtype) if isinstance(o, ScaledArray) else o for o, a in zip(outs, avals, strict=True)]
+
+
+def _on_leaves(sub, treedef, k):
+    """``sub`` as a function of its constants' pytree leaves (ScaledArrays flattened) and the vector."""
+    return lambda *a: _as_values(eval_closed(sub, *treedef.unflatten(list(a[:k])), *a[k:]), sub.out_avals)
+
+
+@register_rule(
+    [linear_solve_p],
+    "control",
+    "re-emitted as custom_linear_solve with its matvec / vecmat / solve / transpose_solve interpreted: "
+    "their constants (the matrix) enter scaled, as stored; right-hand side and solution as values in "
+    "the program's dtype (the solver iterates on them); JAX's implicit derivative rules kept.",
+    raw=True,
+)
+def _linear_solve(eqn, *args):
+    lengths, closed = eqn.params["const_lengths"], eqn.params["jaxprs"]
+    n = sum(lengths)
+    b = _as_values(args[n:], [v.aval for v in eqn.invars[n:]])
+    b_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in b]
+    new_lengths, new_jaxprs, operands, start = [], [], [], 0
+    for count, sub in zip(lengths, closed, strict=True):
+        consts, start = list(args[start : start + count]), start + count
+        if sub is None:
+            new_lengths.append(0)
+            new_jaxprs.append(None)
+            continue
+        leaves, treedef = jax.tree.flatten(consts)
+        retraced, hoisted = traced_with_hoisted_consts(_on_leaves(sub, treedef, len(leaves)), *leaves, *b_avals)
+        new_lengths.append(len(hoisted) + len(leaves))
+        new_jaxprs.append(retraced)
+        operands += hoisted + leaves
+    params = {"const_lengths": type(lengths)(*new_lengths), "jaxprs": type(closed)(*new_jaxprs)}
+    return bind_params(linear_solve_p, [*operands, *b], params)
 
 
 del is_scaled_leaf

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, p
+from scalify._jax_compat import bind_eqn, host_callback_ps, p
 from scalify._pow2 import pow2_round
 from scalify._registry import register_rule
 from scalify._rules_common import (
@@ -193,6 +193,7 @@ _GENERIC = _prims(
     "reduce_window_p",
     "igamma_p",
     "igammac_p",
+    "igamma_grad_a_p",
     "polygamma_p",
     "zeta_p",
     "regularized_incomplete_beta_p",
@@ -248,3 +249,16 @@ register_rule(
     "nonlinear",
     "dequantize, compute in float32, re-quantize: per-tensor carrier, scale = amax rounded to 2^k.",
 )(_dequantized_outputs)
+
+
+@register_rule(
+    [p.bitcast_convert_type_p, *host_callback_ps],
+    "nonlinear",
+    "on the values: operands dequantized to the program's dtype, plain outputs. bitcast_convert_type "
+    "(jnp.signbit, copysign, frexp, ldexp, spacing) reads the bits of the value, which a scale does not "
+    "multiply; a host callback (jax.pure_callback, io_callback) receives numpy arrays, which carry no scale.",
+)
+def _on_values(eqn, *xs):
+    """``f(values)``, each operand as the value the program holds, in the program's dtype."""
+    outs = bind_eqn(eqn, [dequant(x, v.aval.dtype) for x, v in zip(xs, eqn.invars, strict=True)])
+    return outs if eqn.primitive.multiple_results else outs[0]

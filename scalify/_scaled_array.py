@@ -241,6 +241,9 @@ def normalize_scale(scale, shape):
         return scale
     if math.prod(scale.shape) == 1:
         return scale.reshape(())
+    if math.prod(shape) == 0:
+        # No element to scale: every grid fits, and per-tensor is the one all rules accept.
+        return jnp.ones((), scale.dtype)
     if scale.ndim < len(shape):
         scale = scale.reshape(tuple(scale.shape) + (1,) * (len(shape) - scale.ndim))
     if scale.ndim != len(shape) or any(n % g for n, g in zip(shape, scale.shape, strict=True)):

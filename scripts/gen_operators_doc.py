@@ -107,6 +107,11 @@ Carriers only (no format: jax-scalify's arrays) keep jax-scalify's rule under `"
 * `jit`, `checkpoint`, `cond`, `while_loop`, `scan` bodies are interpreted with the same rule table
   and re-emitted as the same construct, so the scalified program keeps its structure. A value that is
   scaled in any branch or iteration crosses the boundary as a per-tensor carrier.
+* `jax.lax.custom_linear_solve` (`jax.scipy.sparse.linalg.cg`, `gmres`, `bicgstab`, a user's own
+  solve) is re-emitted with its four functions interpreted: a matrix it closes over enters its
+  `matvec` as stored (an FP8 matrix is an FP8 operand of every product in the loop), the right-hand
+  side and solution are values in the program's dtype, and JAX's implicit derivative rules for the
+  solve stay, so `grad(scalify(f))` does not differentiate through the solver's `while_loop`.
 
 ## Primitives
 """

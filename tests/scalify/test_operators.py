@@ -200,6 +200,114 @@ def test_linalg_and_segment_reductions(name):
     _check_all(LINALG, [make_scaled(SQUARE, fmt), make_scaled(RHS.repeat(8, axis=1), fmt)])
 
 
+def _host_double(x):
+    return np.asarray(x) * 2
+
+
+BITS_AND_EMPTY = {
+    # bitcast_convert_type reads the value's bits; a host callback receives numpy values
+    "signbit": lambda a, b: jnp.signbit(a - 0.5),
+    "copysign": lambda a, b: jnp.copysign(a, b),
+    "frexp": lambda a, b: jnp.frexp(a)[0] + jnp.frexp(a)[1].astype(jnp.float32),
+    "ldexp": lambda a, b: jnp.ldexp(a, 3),
+    "spacing": lambda a, b: jnp.spacing(a) / jnp.spacing(jnp.float32(1)),
+    "pure_callback": lambda a, b: jax.pure_callback(_host_double, jax.ShapeDtypeStruct(a.shape, a.dtype), a),
+    # associative_scan's last level slices out empty arrays (scale grids with a zero extent)
+    "associative_scan": lambda a, b: jax.lax.associative_scan(jnp.add, a, axis=0),
+    "linear_recurrence": lambda a, b: jax.lax.associative_scan(
+        lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1]), (jax.nn.sigmoid(a), b), axis=1
+    )[1],
+    "empty_matmul": lambda a, b: a[:, :0] @ b.T[:0, :] + jnp.concatenate([a[:0], a]).sum(),
+    # the gradient of gammainc in its shape parameter (igamma_grad_a had no rule)
+    "gammainc_grad_a": jax.grad(lambda a, b: jnp.sum(jax.scipy.special.gammainc(jnp.abs(a) + 0.5, 2.0))),
+}
+
+
+@pytest.mark.parametrize("name", ["scale", "fp8_e4m3", "int8_per_channel", "mxfp8", "nvfp4"])
+def test_bits_callbacks_and_empty_arrays(name):
+    """Before these rules: ScalifyUnsupportedError on bitcast_convert_type, pure_callback and igamma_grad_a, and a
+    ZeroDivisionError from the scale grid of an empty slice (associative_scan)."""
+    fmt = FORMATS[name]
+    _check_all(BITS_AND_EMPTY, [make_scaled(SQUARE, fmt), make_scaled(RHS.repeat(8, axis=1), fmt)])
+
+
+def _cg_loss(a, v):
+    return jnp.sum(jax.scipy.sparse.linalg.cg(lambda u: a @ u, v, tol=1e-7)[0] ** 2)
+
+
+def _gmres_loss(a, v):
+    return jnp.sum(jax.scipy.sparse.linalg.gmres(lambda u: a @ u, v, tol=1e-7)[0] ** 2)
+
+
+def _custom_solve_loss(a, v):
+    def solve(_, r):
+        return jnp.linalg.solve(a, r)
+
+    def transpose_solve(_, r):
+        return jnp.linalg.solve(a.T, r)
+
+    return jnp.sum(jnp.sin(jax.lax.custom_linear_solve(lambda u: a @ u, v, solve, transpose_solve)))
+
+
+# A non-symmetric, well-conditioned matrix for gmres and the custom solve (cg needs SQUARE's symmetry).
+SKEWED = (SQUARE + 2.0 * RNG.standard_normal((32, 32))).astype(np.float32)
+SOLVES = {"cg": (_cg_loss, SQUARE), "gmres": (_gmres_loss, SKEWED), "custom": (_custom_solve_loss, SKEWED)}
+
+
+@pytest.mark.parametrize(
+    "name", ["scale", "fp8_e4m3", *(pytest.param(n, marks=pytest.mark.slow) for n in ("mxfp8", "nvfp4"))]
+)
+def test_matrix_free_solves(name):
+    """``custom_linear_solve`` (jax.scipy.sparse.linalg's cg and gmres, a user's solve), in both
+    orders. ``scalify(grad(f))``: the gradient JAX builds holds a transposed solve. ``grad(scalify(f))``:
+    JAX differentiates the re-emitted solve with its implicit rules (before the rule, the solve was
+    inlined and the while loop inside it cannot be reverse-differentiated; gmres raised
+    ScalifyUnsupportedError in both orders). The gradient of a carrier is taken on its leaves and
+    mapped to the value's (``ct_v = ct_data / scale``); a formatted matrix is not differentiable
+    (its data is narrow), so there only the right-hand side's. Tolerance: solves to 1e-7 residual in
+    float32, measured differences up to 6e-7. The rule flattens the constants whatever their format
+    (the carrier and stored FP8 run in the fast lane, MX and NVFP4 in the slow one)."""
+    fmt = FORMATS[name]
+    v = jnp.asarray(RNG.standard_normal(32), jnp.float32)
+    for solver, (loss, m) in SOLVES.items():
+        _check_solve_gradients(solver, loss, make_scaled(m, fmt), v)
+
+
+def _check_solve_gradients(solver, loss, qa, v):
+    def close(got, expected):
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_allclose(np.asarray(g), e, rtol=1e-5, atol=1e-5 * float(jnp.abs(e).max()), err_msg=solver)
+
+    expected = jax.grad(loss, (0, 1))(jnp.asarray(np.asarray(qa)), v)
+    close(fast_jit(jsa.scalify(jax.grad(loss, (0, 1))), qa, v), expected)
+
+    def value(a, u):
+        return jnp.asarray(jsa.scalify(loss)(a, u))
+
+    if qa.fmt is None:
+        ct_data, ct_v = fast_jit(jax.grad(lambda d, u: value(jsa.ScaledArray(d, qa.scale), u), (0, 1)), qa.data, v)
+        close((ct_data / qa.scale, ct_v), expected)
+    else:
+        close((fast_jit(jax.grad(value, 1), qa, v),), expected[1:])
+
+
+def test_matrix_free_solve_keeps_the_stored_matrix():
+    """The solver's matvec gets the FP8 matrix as stored (its float8 data is an operand of the
+    re-emitted custom_linear_solve), not a float32 copy made before the loop."""
+    qa = jsa.as_scaled_array(jnp.asarray(SQUARE), fmt=qf.FP8_E4M3)
+    v = jnp.ones(32, jnp.float32)
+    eqns = jax.make_jaxpr(jsa.scalify(_cg_loss))(qa, v).jaxpr.eqns
+    (solve,) = [e for e in _all_eqns(eqns) if e.primitive.name == "custom_linear_solve"]
+    assert any(x.aval.dtype == qa.data.dtype for x in solve.invars), [x.aval for x in solve.invars]
+
+
+def _all_eqns(eqns):
+    for e in eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _all_eqns(sub.eqns)
+
+
 def _weight_formats(fmt):
     """Weights (K, N): the same format, and for block formats the MX hardware layout (blocked on K)."""
     out = [fmt]
