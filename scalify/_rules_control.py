@@ -51,6 +51,7 @@ from scalify._jax_compat import (
 from scalify._registry import register_rule
 from scalify._rules_common import (
     F32,
+    align,
     bound_of,
     carried,
     dequant,
@@ -393,11 +394,21 @@ def _noted(values, bounds):
     return values
 
 
+def _where_leading(pred, new, old):
+    """``where(pred, new, old)`` with ``pred`` broadcast along the leading axes (scaled: on a common scale)."""
+    where = lax.broadcast_in_dim(pred, jnp.shape(old), tuple(range(jnp.ndim(pred))))
+    if not (isinstance(new, ScaledArray) or isinstance(old, ScaledArray)):
+        return lax.select(where, new, old)
+    (dn, do), s = align([new, old], finite=True)
+    return ScaledArray(lax.select(where, dn, do), s)
+
+
 @register_rule(
     [while_p],
     "control",
     "lax.while_loop over interpreted cond/body; scaled carries per-tensor: settled each iteration, f32/bf16 "
-    "accumulators (carry + term) on one scale for the loop.",
+    "accumulators (carry + term) on one scale for the loop; a batched predicate (vmap) runs while any "
+    "example's holds, each carry selected per example.",
 )
 def _while(eqn, *args):
     cconsts, bconsts, init = operand_groups(eqn, args)
@@ -410,13 +421,26 @@ def _while(eqn, *args):
 
     init, anchors, bounds = _enter(init, mask, _accumulators(body_j.jaxpr, len(bconsts), len(init)))
 
+    def predicate(c):
+        (pred,) = eval_closed(cond_j, *cconsts, *c)
+        return dequant(pred) if isinstance(pred, ScaledArray) else pred
+
+    # A batched predicate (jax.vmap of a loop whose trip count depends on the example): the loop
+    # runs while any example's does, and each carry keeps its old value where its own predicate is
+    # false, as JAX lowers while_p with a non-scalar predicate.
+    batched = bool(cond_j.out_avals[0].shape)
+
     def body(c):
-        outs = eval_closed(body_j, *bconsts, *_noted(c, bounds))
+        c = _noted(c, bounds)
+        outs = eval_closed(body_j, *bconsts, *c)
+        if batched:
+            pred = predicate(c)
+            outs = [_where_leading(pred, o, x) for o, x in zip(outs, c, strict=True)]
         return [carried(_as_loop_value(o, m), a) for o, m, a in zip(outs, mask, anchors, strict=True)]
 
     def cond(c):
-        (pred,) = eval_closed(cond_j, *cconsts, *_noted(c, bounds))
-        return dequant(pred) if isinstance(pred, ScaledArray) else pred
+        pred = predicate(_noted(c, bounds))
+        return jnp.any(pred) if batched else pred
 
     return lax.while_loop(cond, body, init)
 

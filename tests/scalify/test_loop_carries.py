@@ -176,3 +176,35 @@ def test_contraction_with_known_bounds_is_the_plain_contraction(shape):
     (dot,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
     consumers = [e.primitive.name for e in closed.jaxpr.eqns if dot.outvars[0] in e.invars]
     assert consumers == ["pjit"] or consumers == ["jit"], consumers
+
+
+def _halve_and_count(x):
+    """Halve ``x`` until its max magnitude is at most 1, counting steps and summing what was removed:
+    a trip count that depends on the data, a multiplied carry, an accumulator and an integer carry."""
+
+    def body(c):
+        v, removed, n = c
+        return v * 0.5, removed + v * 0.5, n + 1
+
+    return jax.lax.while_loop(lambda c: jnp.max(jnp.abs(c[0])) > 1.0, body, (x, jnp.zeros_like(x), 0))
+
+
+@pytest.mark.parametrize("fmt_name", ["carrier", "fp8_e4m3", "mxfp8", "nvfp4"])
+def test_vmapped_while_runs_each_example_its_own_trip_count(fmt_name):
+    """``scalify(jax.vmap(f))`` of a while loop whose trip count depends on the example: the loop's
+    predicate is batched (while_p runs while any example's holds and keeps each carry where its own
+    is false). Before, re-emitting it through lax.while_loop raised TypeError (non-scalar predicate).
+    Halving is exact and the accumulated sums are of powers of two times the data, so the values are
+    the float32 program's up to float32 rounding of the sums."""
+    x = (RNG.standard_normal((6, 32)) * np.exp2(np.arange(6))[:, None]).astype(np.float32)
+    sx = (
+        jsa.as_scaled_array(jnp.asarray(x), scale=np.float32(2.0))
+        if fmt_name == "carrier"
+        else jsa.as_scaled_array(jnp.asarray(x), fmt=qf.get_format(fmt_name))
+    )
+    expected = jax.vmap(_halve_and_count)(jnp.asarray(np.asarray(sx)))
+    assert len(set(np.asarray(expected[2]).tolist())) > 3  # the examples stop after different counts
+    got = jax.jit(jsa.scalify(jax.vmap(_halve_and_count)))(sx)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(expected[2]))
+    for g, e in zip(got[:2], expected[:2], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6, atol=1e-6 * float(jnp.abs(e).max()))
