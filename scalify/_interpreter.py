@@ -19,7 +19,7 @@ from scalify import _walk
 from scalify._config import get_config
 from scalify._in_place import holds_graph_nodes, lift_in_place
 from scalify._jax_compat import Literal, bind_eqn, bind_params, is_tracer, logical_aval, p
-from scalify._registry import RULES, ScalifyUnsupportedError
+from scalify._registry import RULES, ScalifyUnsupportedError, rule_for
 from scalify._rules_common import (
     bound_of,
     decoded,
@@ -62,7 +62,8 @@ def describe(x) -> str:
     if isinstance(x, ScaledArray):
         fmt = x.fmt.name if x.fmt is not None else "carrier (data + float32 scale)"
         return f"ScaledArray[{x.dtype}{list(x.shape)}, format {fmt}]"
-    return f"plain {jnp.result_type(x)}{list(jnp.shape(x))}"
+    kind = "ref" if isinstance(jax.typeof(x), jax.ref.AbstractRef) else "plain"
+    return f"{kind} {jnp.result_type(x)}{list(jnp.shape(x))}"
 
 
 def unsupported(eqn, invals):
@@ -224,7 +225,7 @@ class _Scalify(_walk.Walk):
             outs = bind_params(eqn.primitive, invals, eqn.params)  # the walker entered eqn.ctx
             _note_fill(eqn, invals, outs)
             return outs
-        rule = RULES.get(eqn.primitive)
+        rule = rule_for(eqn.primitive)
         if rule is None:
             outs = self.through_impl(eqn, invals)
             if outs is None:

@@ -7,6 +7,7 @@ caller says ``overwrite=True``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import attrs
@@ -122,6 +123,38 @@ def register_rule(
         return fn
 
     return deco
+
+
+# Rules for primitives of modules scalify does not import itself, by module: registered once the
+# program's own imports have loaded the module (a program can hold its primitives only then).
+_DEFERRED: dict[str, list[Callable[[], None]]] = {}
+
+
+def register_when_imported(module: str, register: Callable[[], None]) -> None:
+    """Run ``register`` (a function registering rules for ``module``'s primitives) once ``module``
+    is imported: at once if it is, else the first time a primitive without a rule is met after it
+    is. ``jax.experimental.sparse`` imports scipy (about 0.5 s), which ``import scalify`` should
+    not cost a program that never builds a sparse matrix."""
+    if module in sys.modules:
+        register()
+    else:
+        _DEFERRED.setdefault(module, []).append(register)
+
+
+def load_imported() -> None:
+    """Register the deferred rules of every module imported since (see :func:`register_when_imported`)."""
+    for module in [m for m in _DEFERRED if m in sys.modules]:
+        for register in _DEFERRED.pop(module):
+            register()
+
+
+def rule_for(prim: Primitive) -> Rule | None:
+    """The rule of ``prim``: from :data:`RULES`, after loading deferred rules on a miss."""
+    rule = RULES.get(prim)
+    if rule is None and _DEFERRED:
+        load_imported()
+        rule = RULES.get(prim)
+    return rule
 
 
 class ScalifyUnsupportedError(NotImplementedError):

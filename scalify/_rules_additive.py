@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from scalify._jax_compat import add_any_p, bind_eqn, bind_eqn_with, lax_primitive, p
-from scalify._registry import register_rule
+from scalify._registry import register_rule, register_when_imported
 from scalify._rules_common import (
     F32,
     align,
@@ -231,3 +231,37 @@ register_rule(
     "operand and updates folded to per-tensor and brought to a common scale (max), then scatter-max/min "
     "of data (jax.ops.segment_max, x.at[i].max); indices plain.",
 )(_scatter)
+
+
+def _sparse_sums(eqn, *operands):
+    """Stored values ``v = d * s`` written to dense or deduplicated (``bcoo_todense``,
+    ``bcoo_sum_duplicates``): each output entry is a sum of stored values (none: zero), so with ``s``
+    per-tensor ``f(d * s) = f(d) * s``. The block scale is folded first (stored values have no dense
+    block layout); the sums run in float32 and are settled (duplicates cannot overflow the carrier)."""
+    (x,) = [fold(o) for o in operands if is_scaled(o)]
+    ins = [cast(x.data, F32) if is_scaled(o) else o for o in operands]
+    outs = [
+        settle(o, x.scale, v.aval.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else o
+        for o, v in zip(bind_eqn(eqn, ins), eqn.outvars, strict=True)
+    ]
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+
+def _register_sparse_sums():
+    from jax.experimental import sparse
+
+    register_rule(
+        [
+            sparse.bcoo_todense_p,
+            sparse.bcoo_sum_duplicates_p,
+            sparse.bcsr_todense_p,
+            sparse.coo_todense_p,
+            sparse.csr_todense_p,
+        ],
+        "additive",
+        "jax.experimental.sparse (rule registered once it is imported): stored values to dense or deduplicated "
+        "(duplicate indices sum): the scale folded to per-tensor and kept, the sums in float32, settled.",
+    )(_sparse_sums)
+
+
+register_when_imported("jax.experimental.sparse", _register_sparse_sums)

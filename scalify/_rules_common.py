@@ -137,6 +137,15 @@ def _fill_of(x):
     return hit[1] if hit is not None and hit[0] is x else None
 
 
+def _concrete(x):
+    """A concrete operand as a NumPy array, or None for what has no NumPy form and is never a
+    static scalar: a mutable ``jax.ref.Ref`` (reading it is a ``get``), a PRNG key."""
+    aval = jax.typeof(x)
+    if isinstance(aval, jax.ref.AbstractRef) or jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return None
+    return np.asarray(x)
+
+
 def static_scalar(x):
     """The Python float of a concrete size-1 array or scalar, or of a known fill; else None."""
     if is_scaled(x):
@@ -144,8 +153,8 @@ def static_scalar(x):
     v = _fill_of(x)
     if v is not None or is_tracer(x):
         return v if isinstance(v, float) else None
-    arr = np.asarray(x)
-    if arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
+    arr = _concrete(x)
+    if arr is None or arr.size != 1 or not np.issubdtype(arr.dtype, np.floating):
         return None
     return float(arr.reshape(()))
 
@@ -157,8 +166,8 @@ def static_operand(x):
     v = _fill_of(x)
     if v is not None or is_tracer(x):
         return np.asarray(v, x.dtype) if isinstance(v, float) else None
-    arr = np.asarray(x)
-    return arr.reshape(()) if arr.size == 1 else None
+    arr = _concrete(x)
+    return arr.reshape(()) if arr is not None and arr.size == 1 else None
 
 
 def runtime_fill(x):

@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, name_p, p
-from scalify._registry import register_rule
+from scalify._registry import register_rule, register_when_imported
 from scalify._rules_common import (
     F32,
     align,
@@ -341,3 +341,37 @@ def _checkpoint_name(eqn, x):
     (data,) = bind_eqn(eqn, [x.data])
     (scale,) = bind_eqn(eqn, [x.scale])
     return ScaledArray(data, scale)
+
+
+def _sparse_moves(eqn, *operands):
+    """A sparse layout change that moves stored values without arithmetic (dense to sparse,
+    extracting at indices, transposing, sorting the indices): ``f(d * s) = f(d) * s`` for a
+    per-tensor ``s``, zeros filling what is not stored. A block scale is folded first (stored values
+    have no dense block layout); indices stay plain."""
+    (x,) = [fold(o) for o in operands if isinstance(o, ScaledArray)]
+    ins = [x.data if isinstance(o, ScaledArray) else o for o in operands]
+    outs = [ScaledArray(o, x.scale) if jnp.issubdtype(o.dtype, jnp.floating) else o for o in bind_eqn(eqn, ins)]
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+
+def _register_sparse_moves():
+    from jax.experimental import sparse
+
+    register_rule(
+        [
+            sparse.bcoo_fromdense_p,
+            sparse.bcoo_extract_p,
+            sparse.bcoo_transpose_p,
+            sparse.bcoo_sort_indices_p,
+            sparse.bcsr_fromdense_p,
+            sparse.bcsr_extract_p,
+            sparse.coo_fromdense_p,
+            sparse.csr_fromdense_p,
+        ],
+        "commuting",
+        "jax.experimental.sparse (rule registered once it is imported): stored values moved (dense to sparse, "
+        "extract, transpose, sort indices): on data, the scale folded to per-tensor and kept; indices plain.",
+    )(_sparse_moves)
+
+
+register_when_imported("jax.experimental.sparse", _register_sparse_moves)

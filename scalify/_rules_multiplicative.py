@@ -31,7 +31,7 @@ from scalify import _contraction
 from scalify._config import get_config
 from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, p
 from scalify._pow2 import is_pow2
-from scalify._registry import register_rule
+from scalify._registry import register_rule, register_when_imported
 from scalify._rules_common import (
     F32,
     _grid_shapes_compatible,
@@ -410,3 +410,42 @@ if _ragged_dot_p is not None:
         if isinstance(group_sizes, ScaledArray):
             group_sizes = dequant(group_sizes)
         return _dequant_dot(eqn, lhs, rhs, group_sizes)
+
+
+def _sparse_dot(eqn, *operands):
+    """A contraction with a sparse operand (``jax.experimental.sparse``: BCOO / BCSR / COO / CSR
+    matrix times dense, sparse times sparse, sampled products) of the dequantized operands,
+    accumulated in float32: stored values and indices are the matrix's operands, the product is
+    bilinear in the stored values and the dense operand, so this is the blocked sum up to the order
+    of float32 accumulation. The sparse outputs' indices stay plain."""
+    changes = {"preferred_element_type": _F32_DTYPE} if "preferred_element_type" in eqn.params else {}
+    outs = bind_eqn_with(eqn, [dequant(x) for x in operands], **changes)
+    outs = [
+        _finish(o, v.aval.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else o
+        for o, v in zip(outs, eqn.outvars, strict=True)
+    ]
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+
+def _register_sparse_dots():
+    from jax.experimental import sparse
+
+    register_rule(
+        [
+            sparse.bcoo_dot_general_p,
+            sparse.bcsr_dot_general_p,
+            sparse.bcoo_spdot_general_p,
+            sparse.bcoo_dot_general_sampled_p,
+            sparse.coo_matvec_p,
+            sparse.coo_matmat_p,
+            sparse.csr_matvec_p,
+            sparse.csr_matmat_p,
+        ],
+        "multiplicative",
+        "jax.experimental.sparse (rule registered once it is imported): a sparse matrix's product (BCOO / BCSR / "
+        "COO / CSR times dense, sparse times sparse, sampled): the stored values and the dense operand "
+        "dequantized in float32, one product with f32 accumulation, settled; indices plain.",
+    )(_sparse_dot)
+
+
+register_when_imported("jax.experimental.sparse", _register_sparse_dots)

@@ -17,7 +17,7 @@ from jax import lax
 
 from scalify._jax_compat import bind_eqn, host_callback_ps, p
 from scalify._pow2 import pow2_round
-from scalify._registry import register_rule
+from scalify._registry import register_rule, register_when_imported
 from scalify._rules_common import (
     F32,
     bound_of,
@@ -249,6 +249,20 @@ register_rule(
     "nonlinear",
     "dequantize, compute in float32, re-quantize: per-tensor carrier, scale = amax rounded to 2^k.",
 )(_dequantized_outputs)
+
+
+def _register_sparse_solve():
+    from jax.experimental.sparse import linalg as sparse_linalg
+
+    register_rule(
+        [sparse_linalg.spsolve_p],
+        "nonlinear",
+        "jax.experimental.sparse (rule registered once it is imported): spsolve, a sparse direct solve, is not linear "
+        "in the matrix: dequantize, solve in float32, re-quantize (per-tensor carrier, scale = amax rounded to 2^k).",
+    )(_dequantized_outputs)
+
+
+register_when_imported("jax.experimental.sparse", _register_sparse_solve)
 
 
 @register_rule(

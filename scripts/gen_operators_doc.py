@@ -47,7 +47,8 @@ operands unconverted (so formats reach the nested body).
   runs through that implementation: its jaxpr is walked with the rules.
 * Other primitives with no rule raise `ScalifyUnsupportedError` naming the primitive and the operand
   formats when they receive a scaled operand; `scalify.ops.dequantize(x)` is the explicit way out.
-  Plain operands always bind the primitive unchanged.
+  Plain operands always bind the primitive unchanged. A foreign kernel (`jax.ffi.ffi_call`) is one:
+  scalify cannot know its math, so it is not guessed at.
 
 ## Adding a rule
 
@@ -112,6 +113,13 @@ Carriers only (no format: jax-scalify's arrays) keep jax-scalify's rule under `"
   `matvec` as stored (an FP8 matrix is an FP8 operand of every product in the loop), the right-hand
   side and solution are values in the program's dtype, and JAX's implicit derivative rules for the
   solve stay, so `grad(scalify(f))` does not differentiate through the solver's `while_loop`.
+* `jax.experimental.sparse` (BCOO, BCSR, COO, CSR, `sparsify`), with the dense operand or the stored
+  values scaled: a product with a sparse matrix dequantizes its operands and runs the one float32
+  product, settled; layout changes (`fromdense`, `extract`, transpose, sorting indices) move the data
+  and keep the scale; `todense` and `sum_duplicates` sum stored values in float32 and keep the scale;
+  `spsolve` dequantizes, solves and re-quantizes. A block scale is folded to per-tensor first (stored
+  values have no dense block layout); indices stay plain. These rules are registered once the
+  program has imported `jax.experimental.sparse` (it imports scipy, which `import scalify` does not).
 
 ## Primitives
 """
@@ -119,8 +127,13 @@ Carriers only (no format: jax-scalify's arrays) keep jax-scalify's rule under `"
 
 def render() -> str:
     sys.path.insert(0, str(ROOT))
+    import jax.experimental.sparse  # noqa: F401  (its rules register once it is imported)
+
     import scalify
     from scalify._jax_compat import all_lax_primitives
+    from scalify._registry import load_imported
+
+    load_imported()
 
     rules = {prim.name: rule for prim, rule in scalify.RULES.items()}
     rows = []

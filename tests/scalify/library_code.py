@@ -5,15 +5,13 @@ equations it emits have no user line of their own and the caller's line names th
 from __future__ import annotations
 
 import jax
-import jax.experimental.sparse as sparse
-import jax.numpy as jnp
 from flax import traceback_util
 
 traceback_util.register_exclusion(__file__)
 
 
 @jax.jit
-def sparse_mix(v):
-    """A sparse (BCOO) matrix times ``v``: ``bcoo_dot_general``, which scalify has no rule for."""
-    adjacency = sparse.BCOO.fromdense(jnp.eye(v.shape[0], dtype=v.dtype), nse=v.shape[0])
-    return adjacency @ v
+def foreign_kernel(v):
+    """A foreign (FFI) kernel applied to ``v``: ``ffi_call``, whose math scalify cannot know, so it
+    has no rule. Tracing is enough to reach it; no handler is registered or run."""
+    return jax.ffi.ffi_call("library_kernel", jax.ShapeDtypeStruct(v.shape, v.dtype))(v)

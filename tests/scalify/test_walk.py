@@ -47,7 +47,7 @@ def _line_of(fn, text: str) -> int:
 
 
 def _unsupported(v):
-    return library_code.sparse_mix(v)  # a library's jit around bcoo_dot_general, which has no scalify rule
+    return library_code.foreign_kernel(v)  # a library's jit around ffi_call, which has no scalify rule
 
 
 @pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["plain", "user_jit"])
@@ -56,10 +56,10 @@ def test_rule_error_names_source_line_primitive_and_operands(wrap):
     with pytest.raises(jsa.ScalifyUnsupportedError, match=r"scalify\.ops\.dequantize") as info:
         jsa.scalify(wrap(_unsupported))(sx)
     notes = "\n".join(getattr(info.value, "__notes__", []))
-    assert f"test_walk.py:{_line_of(_unsupported, 'sparse_mix')}" in notes, notes
-    # sparse_mix is a jit of library code (no user frames): its equation names the primitive and
+    assert f"test_walk.py:{_line_of(_unsupported, 'foreign_kernel')}" in notes, notes
+    # foreign_kernel is a jit of library code (no user frames): its equation names the primitive and
     # operands, the jit equation around it the user's line; one note, not one per level
-    assert "While transforming `bcoo_dot_general` (inside `jit` at " in notes, notes
+    assert "While transforming `ffi_call` (inside `jit` at " in notes, notes
     assert "ScaledArray[float32[64, 32], format mxfp8]" in notes, notes
     assert notes.count("While transforming") == 1
 
