@@ -26,6 +26,10 @@ PKG = "qformats_asv_benchmarks"
 PREFIXES = ("time_", "track_", "peakmem_", "mem_")
 SLOW_MODULES = ("bench_matmul", "bench_scalify")  # compile a model per format: test a few formats
 SLOW_FORMATS = ("int8_per_channel", "mxfp8", "nvfp4")
+# Classes whose setup compiles a model step (seconds per parameter): the fast lane runs their first
+# parameter, which reaches every line of the benchmark; the other recipes and formats are each
+# tested on their own, and run here in the slow lane.
+MODEL_STEP_CLASSES = ("GPTBlockRecipeStep", "MoERecipeStep", "GPTBlockScalified", "QwixTrainingStep")
 
 
 def _load_suite():
@@ -64,9 +68,10 @@ def _cases():
             fmts = axes[0] if axes else [None]
             if axes and mod.__name__.endswith(SLOW_MODULES):
                 fmts = [f for f in fmts if f in SLOW_FORMATS] or fmts[:1]
-            for fmt in fmts:
+            for i, fmt in enumerate(fmts):
                 args = ([fmt] if axes else []) + [a[0] for a in axes[1:]]
-                slow = (pytest.mark.slow,) if mod.__name__.endswith(SLOW_MODULES) else ()
+                slow_case = mod.__name__.endswith(SLOW_MODULES) or (cname in MODEL_STEP_CLASSES and i > 0)
+                slow = (pytest.mark.slow,) if slow_case else ()
                 cases.append(
                     pytest.param(
                         cls,

@@ -6,8 +6,11 @@ and decoded with ml_dtypes, never by calling qformats.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -16,13 +19,35 @@ import numpy as np
 import pytest
 
 import qformats as qf
+from qformats._cli import main
+
+
+def run_subprocess(*args, cwd=None):
+    """``python -m qformats ARGS`` in a fresh interpreter: the entry point and its registry."""
+    return subprocess.run(
+        [sys.executable, "-m", "qformats", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def run(*args, cwd=None):
-    proc = subprocess.run(
-        [sys.executable, "-m", "qformats", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
-    return proc
+    """``qformats._cli.main(ARGS)`` in this process, with what a subprocess would report: the exit
+    code (argparse's ``SystemExit`` included), stdout and stderr. A subprocess per call imports
+    JAX and compiles again (seconds each); the entry point itself is run by
+    ``test_module_entry_point_is_main``, and the tests that register a format (``--import``) or
+    read a fresh registry run it too."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def compare_json(*args, cwd=None):
@@ -68,12 +93,25 @@ def test_list_contains_every_registered_format():
     names = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert set(names) >= {"fp16", "bf16", "fp8_e4m3", "mxfp8", "mxfp4", "int8_per_channel", "nvfp4"}
     assert set(names) <= set(qf.list_formats())
-    proc = run("list")
+    proc = run_subprocess("list")
     assert proc.returncode == 0, proc.stderr
     for name in names:
         assert name in proc.stdout
-    rows = json.loads(run("list", "--json").stdout)
+    rows = json.loads(run_subprocess("list", "--json").stdout)
     assert [r["name"] for r in rows] == names
+
+
+def test_module_entry_point_is_main(tmp_path, arrays):
+    """``python -m qformats`` reports what the in-process ``main`` the other tests call reports: the
+    same JSON on a file, the same exit code and message on a bad argument."""
+    np.save(tmp_path / "w.npy", arrays["w"])
+    args = ("compare", "--json", "--repeats", "1", tmp_path / "w.npy", "--formats", "fp8_e4m3,mxfp4")
+    sub, here = run_subprocess(*args), run(*args)
+    assert sub.returncode == here.returncode == 0, sub.stderr
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
+    assert strip(json.loads(sub.stdout)) == strip(json.loads(here.stdout))
+    sub, here = run_subprocess("compare", "--repeats", "x"), run("compare", "--repeats", "x")
+    assert sub.returncode == here.returncode == 2 and sub.stderr == here.stderr
 
 
 def test_compare_npy_numbers_match_independent_reference(tmp_path, arrays):
@@ -338,7 +376,8 @@ def test_json_is_strict_when_the_round_trip_overflows(tmp_path):
     x[0, 0] = np.finfo(np.float32).max
     np.save(tmp_path / "big.npy", x)
     args = ("--repeats", "1", "big.npy", "--formats", "test_doubling,fp8_e4m3", "--import", "overflowing_format")
-    proc = run("compare", "--json", *args, cwd=tmp_path)
+    # a subprocess: --import registers the format in the process that runs the command
+    proc = run_subprocess("compare", "--json", *args, cwd=tmp_path)
     recs = _strict_loads(proc.stdout)
     json.dumps(recs, allow_nan=False)
     by = {r["format"]: r for r in recs}
@@ -348,7 +387,7 @@ def test_json_is_strict_when_the_round_trip_overflows(tmp_path):
     assert bad["overflow_fraction"] == pytest.approx(1 / x.size)
     assert not bad["recommended"] and "overflow" in bad["rejected_because"]
     assert by["fp8_e4m3"]["overflow_fraction"] == 0.0
-    text = run("compare", *args, cwd=tmp_path).stdout
+    text = run_subprocess("compare", *args, cwd=tmp_path).stdout
     assert "test_doubling: not recommended: its round trip overflows" in text
 
 

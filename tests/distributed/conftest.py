@@ -1,7 +1,7 @@
 """tests/distributed needs 8 devices; JAX reads the device count once, when it initializes.
 
 Run this folder with ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest
-tests/distributed`` (``tests/test_distributed.py`` does exactly that in a subprocess, so the main
+tests/distributed`` (``tests/test_distributed.py`` does that, a subprocess per file, so the main
 ``python -m pytest`` run exercises it). Without the flag, every test here is skipped with that hint.
 """
 
@@ -12,7 +12,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 SKIP_REASON = (
     "needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-    "(tests/test_distributed.py runs this folder that way in a subprocess)"
+    "(tests/test_distributed.py runs each file here that way in a subprocess)"
 )
 
 

@@ -124,7 +124,18 @@ def test_stochastic_rounding_draws_per_group_and_is_unbiased():
     )
     gq = np.asarray(quantized(recipes.NVFP4))
     assert np.sum(gq[:32] != gq[32:64]) > 100
-    draws = np.mean([np.asarray(quantized(recipes.NVFP4.replace(seed=s))) for s in range(24)], 0)
+    # 24 seeds in one program (the seed traced, vmapped): one compilation, not 24; seed 0's draw is
+    # the one compiled with the seed static.
+    by_seed = jax.jit(
+        jax.vmap(
+            lambda s: _grouped.dgrad_operands(
+                recipes.NVFP4.replace(seed=s), expert, aims, jnp.asarray(same), jnp.asarray(w), gs, None
+            )[0]
+        )
+    )
+    all_draws = np.asarray(by_seed(jnp.arange(24)))
+    np.testing.assert_array_equal(all_draws[0], gq)
+    draws = all_draws.mean(0)
     nearest = np.asarray(quantized(recipes.NVFP4.replace(stochastic_rounding=())))
     assert np.abs(draws - same).mean() < 0.5 * np.abs(nearest - same).mean()
 

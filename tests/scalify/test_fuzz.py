@@ -1019,7 +1019,7 @@ def _run(case: Case):
 _HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=_HEALTH, print_blob=True)
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=_HEALTH, print_blob=True)
 @given(case=cases(max_ops=5))
 def test_fuzz_short(case):
     _run(case)
