@@ -118,21 +118,13 @@ def test_stochastic_rounding_draws_per_group_and_is_unbiased():
     same = np.concatenate([dy[:32], dy[:32], dy[64:]])
     gs = jnp.asarray([32, 32, 64, 0], jnp.int32)
     expert, aims = _expert(x, w, gs)
-    quantized = jax.jit(
-        lambda r: _grouped.dgrad_operands(r, expert, aims, jnp.asarray(same), jnp.asarray(w), gs, None)[0],
-        static_argnums=0,
-    )
+    operand = lambda r: _grouped.dgrad_operands(r, expert, aims, jnp.asarray(same), jnp.asarray(w), gs, None)[0]
+    quantized = jax.jit(operand, static_argnums=0)
     gq = np.asarray(quantized(recipes.NVFP4))
     assert np.sum(gq[:32] != gq[32:64]) > 100
     # 24 seeds in one program (the seed traced, vmapped): one compilation, not 24; seed 0's draw is
     # the one compiled with the seed static.
-    by_seed = jax.jit(
-        jax.vmap(
-            lambda s: _grouped.dgrad_operands(
-                recipes.NVFP4.replace(seed=s), expert, aims, jnp.asarray(same), jnp.asarray(w), gs, None
-            )[0]
-        )
-    )
+    by_seed = jax.jit(jax.vmap(lambda s: operand(recipes.NVFP4.replace(seed=s))))
     all_draws = np.asarray(by_seed(jnp.arange(24)))
     np.testing.assert_array_equal(all_draws[0], gq)
     draws = all_draws.mean(0)
