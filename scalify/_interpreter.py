@@ -18,7 +18,7 @@ from jax import lax
 from scalify import _walk
 from scalify._config import get_config
 from scalify._in_place import holds_graph_nodes, lift_in_place
-from scalify._jax_compat import Literal, bind_eqn, bind_params, is_tracer, logical_aval, p
+from scalify._jax_compat import Literal, bind_eqn, bind_params, is_tracer, logical_aval, lower_hijax, p
 from scalify._registry import RULES, ScalifyUnsupportedError, rule_for
 from scalify._rules_common import (
     bound_of,
@@ -332,13 +332,13 @@ def scalify(fun):
         traced, rebuild_out = split_outputs(flat_fun)
         if not any(isinstance(x, ScaledArray) for x in leaves):
             # Plain inputs: behave like `fun`, unless it creates ScaledArrays (scalify.ops.quantize).
-            closed = jax.make_jaxpr(traced)(*leaves)
+            closed = lower_hijax(jax.make_jaxpr(traced)(*leaves))
             if not _contains_always(closed):
                 # As the traced program would (and jax-scalify does): NumPy inputs are computed by JAX.
                 a, k = jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray) else v, (args, kwargs))
                 return fun(*a, **k)
         else:
-            closed = trace_logical(traced, leaves)
+            closed = lower_hijax(trace_logical(traced, leaves))
         return rebuild_out(_Program(leaves, closed.jaxpr.outvars).run(closed, leaves))
 
     return wrapped

@@ -380,3 +380,18 @@ def traced_with_hoisted_consts(fn, *args) -> tuple:
 def wrap_init(f, like):
     """``lu.wrap_init(f)`` with the debug info of the WrappedFun ``like``."""
     return _lu.wrap_init(f, debug_info=getattr(like, "debug_info", None))
+
+
+def lower_hijax(closed):
+    """``closed`` with JAX's hijax types (``jax.experimental.hijax``: flax's ``hijax=True``
+    Variables) lowered to the plain arrays they hold, as ``jax.jit`` lowers them before compiling;
+    ``closed`` itself when it has none. The inputs must be plain: only equations are lowered (a
+    Variable created, read and written inside the program becomes the values it held)."""
+    if not closed.jaxpr.is_high or any(v.aval.is_high for v in closed.jaxpr.constvars):
+        # A captured hijax Variable (a constant) has no lowering outside jax.jit, which makes it an
+        # input; its equations are bound as they are (they reach no rule unless a scaled value
+        # flows through them, which the ScaledArray itself refuses).
+        return closed
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.lower_jaxpr2(closed)

@@ -210,7 +210,7 @@ def amp(fn: Callable | None = None, *, compute_dtype=jnp.float16, amp_policy: Ma
         traced, rebuild_out = split_outputs(flat_fn)
         scopes = tuple(jc.scope_names(jc.current_name_stack()))
         with jc.fresh_name_stack():
-            closed = jax.make_jaxpr(traced)(*dyn)
+            closed = jc.lower_hijax(jax.make_jaxpr(traced)(*dyn))
         outs = eval_jaxpr(ctx.for_one_call(closed), closed, dyn, scopes)
         # A returned constant (a BatchNorm's `state.set(index, jnp.array(False))`) comes back as an
         # array, as jax.jit returns it: as a Python bool it was static under eqx.filter_jit, and the

@@ -32,8 +32,11 @@ def _is_inexact(x) -> bool:
 
 
 def cast_if_float(dtype, value):
-    """``value.astype(dtype)`` for a floating array of another dtype; anything else unchanged."""
-    if _is_inexact(value) and value.dtype != jnp.dtype(dtype):
+    """``value.astype(dtype)`` for a floating array of another dtype; anything else unchanged.
+
+    ``dtype`` is None for an operand whose type has no dtype (a captured hijax Variable, which
+    forwards ``.dtype`` to the value it holds): it is not an array to cast."""
+    if dtype is not None and _is_inexact(value) and value.dtype != jnp.dtype(dtype):
         return lax.convert_element_type(value, dtype)
     return value
 

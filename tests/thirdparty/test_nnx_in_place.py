@@ -129,3 +129,66 @@ def test_batchnorm_statistics_updated_inside_a_transformed_loss(transform, exact
     else:
         # Each element of fc1's output is an MXFP8-quantized dot: within a few element roundings.
         np.testing.assert_allclose(got, want, rtol=0, atol=0.1 * np.abs(want).max())
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(64, rngs=rngs)
+        self.fc = nnx.Linear(64, 64, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jax.nn.gelu(self.fc(self.norm(x))))
+
+
+class _Stacked(nnx.Module):
+    """Four residual blocks created with ``nnx.vmap`` (one stacked (4, 64, 64) kernel, per-layer
+    Dropout streams) and run with ``nnx.scan``, as NNX decoders stack their layers."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _Block(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block, x):
+            return block(x)
+
+        return self.head(body(self.blocks, x))
+
+
+def test_layers_stacked_with_nnx_vmap_and_scanned():
+    """A step over layers made by ``nnx.vmap`` and run by ``nnx.scan`` (lifted transforms inside the
+    scalified step), with the stacked kernel in MXFP8 (blocked along its input features): the
+    model, optimizer and Dropout streams after the step equal float32's on the dequantized kernels."""
+    fmt = qf.MXFP8
+
+    def objects():
+        model = _Stacked(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, make_optimizer(), wrt=nnx.Param)
+
+    (model, optimizer), (ref_model, ref_optimizer) = objects(), objects()
+    qparams = quantize_tree(nnx.state(model, nnx.Param), fmt)
+    # the stacked kernel, the stacked (4, 64) norm scales and biases, and the head's kernel
+    assert n_scaled(qparams) == 5 and qparams["blocks"]["fc"]["kernel"].get_value().shape == (4, 64, 64)
+    nnx.update(model, qparams)
+    nnx.update(ref_model, dequantize_tree(qparams))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 64)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(2).standard_normal((32, 32)), jnp.float32)
+
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    loss = nnx.jit(scalify.scalify(step))(model, optimizer, x, y)
+    ref_loss = nnx.jit(step)(ref_model, ref_optimizer, x, y)
+    assert int(optimizer.step[...]) == 1
+    assert isinstance(model.blocks.fc.kernel.get_value(), scalify.ScaledArray)
+    assert_tree_close(dequantize_tree(loss), ref_loss, fmt, "loss")
+    assert_tree_close(nnx.state((model, optimizer)), nnx.state((ref_model, ref_optimizer)), fmt, "after the step")
