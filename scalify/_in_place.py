@@ -22,6 +22,8 @@ import sys
 
 import jax
 
+from scalify._scaled_array import is_scaled_leaf
+
 
 def _nnx_nodes(tree):
     """``(nnx, leaves, treedef, node_index)``: the leaves of ``tree`` down to NNX graph nodes, and
@@ -44,7 +46,9 @@ def _nnx_nodes(tree):
             isinstance(x, jax.ref.Ref | jax.core.Tracer) and isinstance(jax.typeof(x), jax.ref.AbstractRef)
         )
 
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_node)
+    # A ScaledArray among the other arguments (a quantized batch) stays one leaf, so that the
+    # transformation traces it as the logical array it stands for.
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: is_scaled_leaf(x) or is_node(x))
     return nnx, leaves, treedef, tuple(i for i, x in enumerate(leaves) if is_node(x))
 
 

@@ -54,6 +54,8 @@ def _private(module: str, name: str):
 
 
 shard_map_p = _private("jax._src.shard_map", "shard_map_p")
+# Writes into a jax.ref (``r[...] = v`` binds swap, ``r[...] += v`` addupdate).
+ref_write_ps = [q for q in (prims.swap_p, _private("jax._src.state.primitives", "addupdate_p")) if q is not None]
 # jax.pure_callback and jax.experimental.io_callback (not named by jax.extend).
 host_callback_ps = [c for c in (_private("jax._src.callback", n) for n in ("pure_callback_p", "io_callback_p")) if c]
 

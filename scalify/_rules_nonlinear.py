@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, host_callback_ps, p
+from scalify._jax_compat import bind_eqn, host_callback_ps, p, ref_write_ps
 from scalify._pow2 import pow2_round
-from scalify._registry import register_rule, register_when_imported
+from scalify._registry import ScalifyUnsupportedError, register_rule, register_when_imported
 from scalify._rules_common import (
     F32,
     bound_of,
@@ -276,3 +276,29 @@ def _on_values(eqn, *xs):
     """``f(values)``, each operand as the value the program holds, in the program's dtype."""
     outs = bind_eqn(eqn, [dequant(x, v.aval.dtype) for x, v in zip(xs, eqn.invars, strict=True)])
     return outs if eqn.primitive.multiple_results else outs[0]
+
+
+@register_rule(
+    ref_write_ps,
+    "nonlinear",
+    "a jax.ref holds plain values of its declared dtype: a carrier is stored as its value (data times its "
+    "power-of-two scale, exact); a formatted value is refused (dequantize it to store it in high precision).",
+    raw=True,
+)
+def _write_ref(eqn, ref, value, *indexers):
+    """``ref[idx] = value`` (swap, which returns the old value) or ``ref[idx] += value`` (addupdate).
+
+    A carrier is what scalify's arithmetic produces (an optimizer's update of a float32 parameter
+    held in a ref, a gradient accumulated into one): the float32 program stores that value, and the
+    carrier's value is exact in float32. A formatted value (FP8/MX/NVFP4 codes) stored in a plain ref
+    would be silently widened, so it is refused with the explicit way to do it."""
+    if not isinstance(value, ScaledArray) or any(isinstance(i, ScaledArray) for i in indexers):
+        raise ScalifyUnsupportedError(f"`{eqn.primitive.name}` received a scaled ref index: indices must be integers")
+    if value.fmt is not None:
+        raise ScalifyUnsupportedError(
+            f"`{eqn.primitive.name}` would store a {value.fmt.name} ScaledArray in a jax.ref of "
+            f"{eqn.invars[0].aval.inner_aval.dtype}, which holds plain values: its {value.fmt.name} codes "
+            "would be widened silently. Store `scalify.ops.dequantize(x)` to keep the value in high "
+            "precision, or keep the quantized value out of the ref (return it, or carry it through a loop)."
+        )
+    return bind_eqn(eqn, [ref, dequant(value, eqn.invars[1].aval.dtype), *indexers])

@@ -386,25 +386,36 @@ def test_closed_over_prng_key():
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_scaled_value_into_a_mutable_ref_is_a_clear_error():
-    """A scaled value written into a ``jax.ref.Ref`` (the ref holds plain values of its declared
-    dtype) names the ``swap`` and the way out; the ref among a nested jit's operands is not read
-    as a static operand (that raised an index ValueError from ``np.asarray(ref)``)."""
+def test_scaled_values_written_into_a_mutable_ref():
+    """A ``jax.ref.Ref`` holds plain values of its declared dtype. A carrier (what scalify's
+    arithmetic returns) is stored as its value, by ``r[...] = v`` (swap), ``r[...] += v``
+    (addupdate) and an indexed write: the float32 program's result, exactly (data times a power of
+    two). A formatted value is refused with the explicit way out (it would be widened silently).
+    The ref among a nested jit's operands is not read as a static operand (that raised an index
+    ValueError from ``np.asarray(ref)``)."""
 
     def f(v):
         r = jax.new_ref(jnp.zeros_like(v))
         r[...] = v * 2
+        r[...] += v
+        r[0] = v[1] * 3
+        return r[...]
+
+    def store(v):
+        r = jax.new_ref(jnp.zeros_like(v))
+        r[...] = v
         return r[...]
 
     sx = jsa.as_scaled_array(X, scale=np.float32(2.0))
+    qx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
     for g in (f, jax.jit(f)):
-        with pytest.raises(
-            jsa.ScalifyUnsupportedError,
-            match=r"primitive `swap`.*operands: ref float32\[\d+, \d+\], ScaledArray.*scalify\.ops\.dequantize",
-        ):
-            jsa.scalify(g)(sx)
-    out = jsa.scalify(lambda v: f(jsa.ops.dequantize(v)))(sx)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(X) * 2)
+        np.testing.assert_array_equal(np.asarray(jsa.scalify(g)(sx)), np.asarray(f(sx.to_array())))
+    for g in (store, jax.jit(store)):
+        msg = r"`swap` would store a mxfp8 ScaledArray in a jax.ref of float32.*dequantize"
+        with pytest.raises(jsa.ScalifyUnsupportedError, match=msg):
+            jsa.scalify(g)(qx)
+    out = jsa.scalify(lambda v: store(jsa.ops.dequantize(v)))(qx)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(qx.to_array()))
 
 
 def test_unsupported_primitive_error_message():

@@ -251,3 +251,35 @@ def test_captured_hijax_variable(transform):
         return jnp.tanh(x @ value)
 
     np.testing.assert_allclose(jax.jit(transform(f))(x), jax.jit(transform(f_array))(x), rtol=1e-6, atol=1e-7)
+
+
+def nnx_step(model, optimizer, x, y):
+    """The same step as ordinary NNX code writes it (``nnx.value_and_grad`` over the module)."""
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["plain", "ref", "hijax"])
+def test_quantized_batch_into_a_float32_model(mode):
+    """A float32 model trained on an MXFP8 batch, in each mode's own way (ordinary Variables under
+    ``nnx.jit``, ref and hijax Variables under ``jax.jit``). Was: the lifting flattened the other
+    arguments into ScaledArray's data and scale, so the model received an untraced ScaledArray
+    (TracerArrayConversionError in flax's dtype promotion); with ref Variables, the optimizer's
+    write of the new float32 parameters into their refs was refused (a carrier is now stored as
+    its value). The reference is the float32 step on the dequantized batch."""
+    fmt = qf.MXFP8
+    jit, step, defaults = {
+        "plain": (nnx.jit, nnx_step, {}),
+        "ref": (jax.jit, ref_step, {"ref": True}),
+        "hijax": (jax.jit, hijax_step, {"hijax": True}),
+    }[mode]
+    (model, optimizer), (ref_model, ref_optimizer) = _objects(**defaults), _objects(**defaults)
+    x, y = _batch()
+    qx = scalify.as_scaled_array(x, fmt=fmt)
+    loss = jit(scalify.scalify(step))(model, optimizer, qx, y)
+    ref_loss = jit(step)(ref_model, ref_optimizer, qx.to_array(jnp.float32), y)
+    assert int(optimizer.step[...]) == 1
+    assert_tree_close(dequantize_tree(loss), ref_loss, fmt, "loss")
+    got = dequantize_tree(_values(model, optimizer))
+    assert_tree_close(got, _values(ref_model, ref_optimizer), fmt, "model and optimizer")
