@@ -308,7 +308,7 @@ def eval_closed(closed, *args):
     return WALK.eval(closed.jaxpr, closed.consts, list(args))
 
 
-def scalify(fun):
+def scalify(fun, *, dequantize_outputs: bool = False):
     """Transform ``fun`` so that it propagates scales through ScaledArray inputs.
 
     ``fun`` is traced on the logical shapes and dtypes of its array inputs (ScaledArrays are seen as
@@ -317,12 +317,20 @@ def scalify(fun):
     rules. Equations without scaled operands are bound unchanged. Plain inputs only:
     ``scalify(fun)`` calls ``fun`` directly. flax NNX modules, optimizers and metrics among the
     arguments may be updated in place, as under ``nnx.jit`` (:mod:`scalify._in_place`).
+
+    Outputs are ScaledArrays where the program's values are scaled. With ``dequantize_outputs=True``
+    each is returned as ``x.to_array()``, a plain array of its logical dtype holding ``data * scale``
+    (exact for a float32 carrier; a float16 or bfloat16 carrier whose value is out of its dtype's
+    range overflows there, as ``to_array`` does). It is for outputs that go into a container which
+    accepts only ``jax.Array`` fields (a jaxtyping-annotated ``flax.struct`` dataclass, such as a
+    sampler's decoding state): the weights stay scaled inside ``fun``, what it returns is plain.
     """
+    transform = functools.partial(scalify, dequantize_outputs=dequantize_outputs)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         if holds_graph_nodes((args, kwargs)):
-            return lift_in_place(scalify, fun, args, kwargs)
+            return lift_in_place(transform, fun, args, kwargs)
         leaves, rebuild = split_leaves((args, kwargs), is_leaf=is_scaled_leaf)
 
         def flat_fun(*flat):
@@ -339,6 +347,27 @@ def scalify(fun):
                 return fun(*a, **k)
         else:
             closed = lower_hijax(trace_logical(traced, leaves))
-        return rebuild_out(_Program(leaves, closed.jaxpr.outvars).run(closed, leaves))
+        outs = _Program(leaves, closed.jaxpr.outvars).run(closed, leaves)
+        if dequantize_outputs:
+            outs = [x.to_array() if isinstance(x, ScaledArray) else x for x in outs]
+        return _rebuild_outputs(rebuild_out, outs, fun)
 
     return wrapped
+
+
+def _rebuild_outputs(rebuild_out, outs, fun):
+    """``fun``'s output structure around ``outs``; a container that refuses a ScaledArray field (it
+    checks that its fields are ``jax.Array``s when it is rebuilt) gets an error naming the way out."""
+    try:
+        return rebuild_out(outs)
+    except Exception as exc:
+        if not any(isinstance(x, ScaledArray) for x in outs):
+            raise
+        name = getattr(fun, "__qualname__", repr(fun))
+        raise TypeError(
+            f"scalify({name}): its output could not be rebuilt with ScaledArray leaves ({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0][:200]}). A container in the output checks that its fields are "
+            "jax.Arrays (a jaxtyping-annotated flax.struct dataclass, for example), and a scaled value is not one. "
+            "Use scalify.scalify(fn, dequantize_outputs=True) to return plain arrays of the logical dtype "
+            "(the values data * scale), or return the values outside that container."
+        ) from exc

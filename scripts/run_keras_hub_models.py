@@ -253,7 +253,9 @@ def check(case: Case, fmt) -> tuple[str, str]:
             assert_tree_close(got[i], expected[i], fmt, f"{case.name} {what}")
     except Exception as exc:  # reported per (model, format); the run goes on
         return failure(exc)
-    return "ok", f"{n_scaled(case.quantized(fmt.name)[1])} of {len(case.params)} weights scaled"
+    import jax
+
+    return "ok", f"{n_scaled(case.quantized(fmt.name)[1])} of {len(jax.tree.leaves(case.params))} weights scaled"
 
 
 # --recipes: a block recipe blocks attention's products and the weight gradients along the

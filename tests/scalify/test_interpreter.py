@@ -97,6 +97,48 @@ def test_python_objects_in_the_output_come_back_as_they_are(transform):
         jax.jit(wrap(step))(x)
 
 
+@jax.tree_util.register_pytree_node_class
+class _ArraysOnly:
+    """An output container that checks its fields when rebuilt, as a jaxtyping-annotated
+    ``flax.struct`` dataclass does (RecurrentGemma's ``SamplingState``: ``Float[Array, ...]``)."""
+
+    def __init__(self, logits, cache):
+        for v in (logits, cache):
+            if not isinstance(v, jax.Array):
+                raise TypeError(f"expected a jax.Array field, got {type(v).__name__}")
+        self.logits, self.cache = logits, cache
+
+    def tree_flatten(self):
+        return (self.logits, self.cache), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+@pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "nvfp4"])
+def test_dequantize_outputs_for_a_container_of_arrays_only(fmt_name):
+    """A decoding step returning its state in a container that accepts ``jax.Array`` fields only:
+    plain ``scalify`` cannot rebuild it with ScaledArray leaves and says what to do;
+    ``dequantize_outputs=True`` returns plain float32 arrays equal to float32's on the dequantized
+    weights (under jax.jit too, whose own output rebuild runs the container's check again)."""
+    w = make_scaled(X.T @ X, FORMATS[fmt_name])  # (32, 32)
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32)), jnp.float32)
+
+    def step(w, h):
+        logits = jnp.tanh(h @ w)
+        return _ArraysOnly(logits, h + logits)
+
+    with pytest.raises(TypeError, match=r"scalify\(.*step\).*expected a jax.Array field.*dequantize_outputs=True"):
+        jax.jit(jsa.scalify(step))(w, h)
+    want = step(jnp.asarray(w.to_array(jnp.float32)), h)
+    for run in (jsa.scalify(step, dequantize_outputs=True), jax.jit(jsa.scalify(step, dequantize_outputs=True))):
+        got = run(w, h)
+        assert isinstance(got, _ArraysOnly) and got.logits.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got.cache), np.asarray(want.cache), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("fmt_name", ["scale", "mxfp8", "int8_per_channel"])
 def test_collectives_over_a_vmap_axis_name(fmt_name):
     """``jax.vmap(f, axis_name="batch")`` with ``pmean`` / ``pmax`` / ``pmin`` over that name (batch
