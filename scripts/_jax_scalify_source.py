@@ -1,4 +1,5 @@
-"""Fetch jax-scalify's source (its PyPI sdist) for the scripts that run its code against ``scalify``.
+"""Fetch other projects' code from PyPI for the scripts that run it against ``scalify``: jax-scalify's
+source (its sdist), and the wheels of model libraries (:func:`fetch_wheels`).
 
 Shared by ``run_jax_scalify_suite.py``, ``run_jax_scalify_notebook.py`` and
 ``run_jax_scalify_examples.py``. Nothing of jax-scalify is kept in this repository: the sdist is
@@ -11,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 PACKAGE = "jax-scalify"
@@ -46,6 +48,22 @@ def fetch_sdist(work: Path, version: str | None = SEED_VERSION, package=PACKAGE,
     _extract(archives[0], work / "src")
     (root,) = list((work / "src").iterdir())
     return root
+
+
+def fetch_wheels(work: Path, specs, hint: str) -> Path:
+    """``pip download --no-deps --only-binary :all:`` each of ``specs`` into ``work/wheels`` and
+    unpack every wheel into ``work/site``; return that directory (to put first on ``sys.path``).
+    ``hint`` says what to do instead when PyPI cannot be reached."""
+    dl, dest = work / "wheels", work / "site"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dl), *specs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheels = sorted(dl.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) < len(specs):
+        raise SystemExit(f"could not download {' '.join(specs)}:\n{proc.stderr.strip()}\n{hint}")
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(dest)
+    return dest
 
 
 # The seed's own environment: jax-scalify 0.1.1 on JAX 0.4.x, with the versions of flax/optax/chex of

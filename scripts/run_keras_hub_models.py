@@ -41,11 +41,9 @@ element width, ``RECIPE_COSINE_FLOOR``).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import types
-import zipfile
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -57,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _jax_scalify_source import fetch_wheels  # noqa: E402
 from run_flax_examples import failure, parse_cli, pop_option, summary  # noqa: E402
 from thirdparty_harness import Case, assert_tree_close, n_scaled, quantize_tree, run_step  # noqa: E402
 
@@ -68,19 +67,9 @@ TINY_LM = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=64, intermediate_
 
 
 def fetch_keras_hub(work: Path, version: str = KERAS_HUB_VERSION) -> Path:
-    """``pip download --no-deps keras-hub==version`` into ``work``, unpack the wheel; the directory to import from."""
-    dl, dest = work / "wheel", work / "site"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dl)]
-    proc = subprocess.run([*cmd, f"keras-hub=={version}"], capture_output=True, text=True, check=False)
-    wheels = sorted(dl.glob("keras_hub-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise SystemExit(
-            f"could not download keras-hub=={version}:\n{proc.stderr.strip()}\n"
-            "Unpack a keras-hub wheel (or clone https://github.com/keras-team/keras-hub) and pass --source DIR."
-        )
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        wheel.extractall(dest)
-    return dest
+    """The keras-hub wheel (``pip download --no-deps``) unpacked under ``work``; the directory to import from."""
+    hint = "Unpack a keras-hub wheel (or clone https://github.com/keras-team/keras-hub) and pass --source DIR."
+    return fetch_wheels(work, [f"keras-hub=={version}"], hint)
 
 
 def import_keras_hub(root: Path):

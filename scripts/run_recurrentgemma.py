@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import functools
 import io
-import subprocess
 import sys
 import tempfile
 import types
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _jax_scalify_source import fetch_wheels  # noqa: E402
 from run_flax_examples import failure, parse_cli, summary  # noqa: E402
 from run_keras_hub_models import _recipes_arg, check, check_recipe, recipe  # noqa: E402
 from thirdparty_harness import Case, assert_tree_close, dequantize_tree, n_scaled, quantize_tree  # noqa: E402
@@ -74,21 +73,12 @@ DECODE_STEPS = 12
 
 
 def fetch(work: Path) -> Path:
-    """``pip download --no-deps`` of :data:`WHEELS` into ``work``, unpacked; the directory to import from."""
-    dl, dest = work / "wheels", work / "site"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dl), *WHEELS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wheels = sorted(dl.glob("*.whl"))
-    if proc.returncode != 0 or len(wheels) != len(WHEELS):
-        raise SystemExit(
-            f"could not download {' '.join(WHEELS)}:\n{proc.stderr.strip()}\n"
-            "Unpack those wheels into one directory (or clone https://github.com/google-deepmind/recurrentgemma "
-            "beside typeguard 2, einops and sentencepiece) and pass --source DIR."
-        )
-    for wheel in wheels:
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(dest)
-    return dest
+    """:data:`WHEELS` (``pip download --no-deps``) unpacked under ``work``; the directory to import from."""
+    hint = (
+        "Unpack those wheels into one directory (or clone https://github.com/google-deepmind/recurrentgemma "
+        "beside typeguard 2, einops and sentencepiece) and pass --source DIR."
+    )
+    return fetch_wheels(work, WHEELS, hint)
 
 
 def import_recurrentgemma(root: Path):
@@ -203,24 +193,34 @@ def run_check(lib, name: str, column, recipe_run: bool) -> tuple[str, str]:
     return check_decode(lib, column) if name == "decode" else check(build(lib, name), column)
 
 
-def main(argv=None) -> int:
+def run_table(lib, name_width: int, checks, run_check, argv=None) -> int:
+    """The command line shared with ``run_gemma_library.py``: every (check, format) pair, or every
+    (check, recipe) pair with ``--recipes``, through ``run_check(lib, name, format or recipe,
+    recipe_run)``; prints each row and the summary, returns the exit status."""
     recipe_names, options, argv = _recipes_arg(argv)
-    args, names, formats = parse_cli(__doc__, CHECKS, "recurrentgemma", argv)
-    with tempfile.TemporaryDirectory(prefix="recurrentgemma_") as tmp:
-        root = args.source.resolve() if args.source else fetch(Path(tmp))
-        lib = import_recurrentgemma(root)
-        print(f"recurrentgemma {RG_VERSION if not args.source else 'from ' + str(root)}")
+    args, names, formats = parse_cli(lib.__doc__, checks, lib.package, argv)
+    with tempfile.TemporaryDirectory(prefix=f"{lib.package}_") as tmp:
+        root = args.source.resolve() if args.source else lib.fetch(Path(tmp))
+        imported = lib.load(root)
+        print(f"{lib.package} {lib.version if not args.source else 'from ' + str(root)}")
         rows = []
         with jax.numpy_dtype_promotion("standard"):
             for name in names:
                 for column in recipe_names or formats:
                     run = recipe(column, **options) if recipe_names else column
                     label = column if recipe_names else column.name
-                    outcome, detail = run_check(lib, name, run, bool(recipe_names))
+                    outcome, detail = run_check(imported, name, run, bool(recipe_names))
                     rows.append((name, label, outcome, detail))
-                    print(f"{name:20s} {label:22s} {outcome:5s} {detail}", flush=True)
+                    print(f"{name:{name_width}s} {label:22s} {outcome:5s} {detail}", flush=True)
     columns = [types.SimpleNamespace(name=r) for r in recipe_names] if recipe_names else formats
     return summary(rows, names, columns, args.markdown)
+
+
+def main(argv=None) -> int:
+    this = types.SimpleNamespace(
+        __doc__=__doc__, package="recurrentgemma", version=RG_VERSION, fetch=fetch, load=import_recurrentgemma
+    )
+    return run_table(this, 20, CHECKS, run_check, argv)
 
 
 if __name__ == "__main__":
