@@ -17,6 +17,10 @@ Checks (rows of the table):
 * ``gemma3``: next-token cross-entropy, its gradient and one Adam update with every weight the
   format accepts as a ScaledArray, against float32 on the dequantized weights (the third-party
   harness's check and tolerance).
+* ``gemma3_qlora``: QLoRA with the library's own LoRA (``gm.nn.LoRA(rank=4)``, adapters on every
+  einsum): the frozen base weights in the format, the adapters in float32; the loss, its gradient
+  with respect to the adapters and one Adam update of them (``gemma.peft.split_params`` and
+  ``merge_params`` split and join the two trees, as the library's fine-tuning recipe does).
 * ``gemma3_decode``: a prompt of 6 tokens prefilled into the library's key/value cache
   (``TransformerConfig.init_cache``) with ``return_last_only=True``, then 8 greedy steps that feed
   the cache back with a position and a mask over the cache, as ``gm.text.Sampler``'s loop does;
@@ -54,7 +58,14 @@ from _jax_scalify_source import fetch_wheels  # noqa: E402
 from run_flax_examples import failure  # noqa: E402
 from run_keras_hub_models import check, check_recipe  # noqa: E402
 from run_recurrentgemma import run_table  # noqa: E402
-from thirdparty_harness import Case, assert_tree_close, dequantize_tree, n_scaled, quantize_tree  # noqa: E402
+from thirdparty_harness import (  # noqa: E402
+    Case,
+    assert_tree_close,
+    dequantize_tree,
+    make_optimizer,
+    n_scaled,
+    quantize_tree,
+)
 
 import scalify  # noqa: E402
 
@@ -75,7 +86,7 @@ WHEELS = (
 )
 SEQ, RECIPE_SEQ, BATCH = 12, 32, 2
 PROMPT, DECODE_STEPS, CACHE = 6, 8, 16
-CHECKS = ("gemma3", "gemma3_decode")
+CHECKS = ("gemma3", "gemma3_decode", "gemma3_qlora")
 
 
 def fetch(work: Path) -> Path:
@@ -91,9 +102,10 @@ def import_gemma(root: Path):
         tf.Tensor = type("Tensor", (), {"__module__": "tensorflow"})  # never instantiated: no tensor reaches it
         sys.modules["tensorflow"] = tf
     sys.path.insert(0, str(root))
-    from gemma.gm.nn import _config, _modules, _transformer
+    from gemma import peft
+    from gemma.gm.nn import _config, _lora, _modules, _transformer
 
-    return types.SimpleNamespace(config=_config, modules=_modules, transformer=_transformer)
+    return types.SimpleNamespace(config=_config, modules=_modules, transformer=_transformer, lora=_lora, peft=peft)
 
 
 def gemma3(lib):
@@ -197,12 +209,50 @@ def check_decode(lib, fmt) -> tuple[str, str]:
     return "ok", f"{got_tokens.size} tokens as float32's, {n_scaled(qparams)} weights scaled"
 
 
+def check_qlora(lib, fmt) -> tuple[str, str]:
+    """``(outcome, detail)`` of a QLoRA step: base weights in ``fmt``, float32 adapters trained."""
+    model = lib.lora.LoRA(rank=4, model=gemma3(lib), dtype=jnp.float32)
+    tokens = _tokens(SEQ)
+    base, lora = lib.peft.split_params(model.init(jax.random.PRNGKey(0), tokens)["params"])
+    # The adapters' B starts at zero (the model starts as the base): move it so A gets a gradient.
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(1), a.shape), lora)
+    qbase = quantize_tree(base, fmt)
+    if n_scaled(qbase) == 0:
+        return "n/a", f"no weight has a shape {fmt.name} accepts"
+
+    def loss(lora, base, tokens):
+        logits = model.apply({"params": lib.peft.merge_params(base, lora)}, tokens).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    opt = make_optimizer()
+
+    def step(lora, state, base, tokens):
+        value, grads = jax.value_and_grad(loss)(lora, base, tokens)
+        updates, state = opt.update(grads, state, lora)
+        return value, grads, optax.apply_updates(lora, updates), state
+
+    try:
+        state = opt.init(lora)
+        expected = jax.jit(step)(lora, state, dequantize_tree(qbase), tokens)
+        got = jax.jit(scalify.scalify(step))(lora, state, qbase, tokens)
+        for i, what in enumerate(("loss", "adapter gradient", "Adam-updated adapters", "Adam state")):
+            assert_tree_close(got[i], expected[i], fmt, f"QLoRA {what}")
+    except Exception as exc:  # reported per format; the run goes on
+        return failure(exc)
+    return "ok", f"{n_scaled(qbase)} base weights scaled, {len(jax.tree.leaves(lora))} adapter weights trained"
+
+
 def run_check(lib, name: str, column, recipe_run: bool) -> tuple[str, str]:
     if recipe_run:
-        if name == "gemma3_decode":
-            return "n/a", "a recipe quantizes a training step's GEMMs"
+        if name != "gemma3":
+            return "n/a", "the recipe runs are of the training step"
         return check_recipe(build(lib, seq=RECIPE_SEQ), column)
-    return check_decode(lib, column) if name == "gemma3_decode" else check(build(lib), column)
+    checks = {
+        "gemma3": lambda lib, fmt: check(build(lib), fmt),
+        "gemma3_decode": check_decode,
+        "gemma3_qlora": check_qlora,
+    }
+    return checks[name](lib, column)
 
 
 def main(argv=None) -> int:
