@@ -319,18 +319,21 @@ def scalify(fun, *, dequantize_outputs: bool = False):
     arguments may be updated in place, as under ``nnx.jit`` (:mod:`scalify._in_place`).
 
     Outputs are ScaledArrays where the program's values are scaled. With ``dequantize_outputs=True``
-    each is returned as ``x.to_array()``, a plain array of its logical dtype holding ``data * scale``
-    (exact for a float32 carrier; a float16 or bfloat16 carrier whose value is out of its dtype's
-    range overflows there, as ``to_array`` does). It is for outputs that go into a container which
-    accepts only ``jax.Array`` fields (a jaxtyping-annotated ``flax.struct`` dataclass, such as a
-    sampler's decoding state): the weights stay scaled inside ``fun``, what it returns is plain.
+    every floating array ``fun`` returns goes through :func:`scalify.ops.dequantize` inside the
+    program: a plain array of its logical dtype holding ``data * scale`` (exact for a float32
+    carrier; a float16 or bfloat16 carrier whose value is out of its dtype's range overflows there,
+    as ``to_array`` does). It is for outputs that go into a container which accepts only
+    ``jax.Array`` fields (a jaxtyping-annotated ``flax.struct`` dataclass, such as a sampler's
+    decoding state): the weights stay scaled inside ``fun``, what it returns is plain. NNX modules
+    updated in place keep their parameters' formats (only what ``fun`` returns is dequantized).
     """
-    transform = functools.partial(scalify, dequantize_outputs=dequantize_outputs)
+    if dequantize_outputs:
+        fun = _dequantizing(fun)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         if holds_graph_nodes((args, kwargs)):
-            return lift_in_place(transform, fun, args, kwargs)
+            return lift_in_place(scalify, fun, args, kwargs)
         leaves, rebuild = split_leaves((args, kwargs), is_leaf=is_scaled_leaf)
 
         def flat_fun(*flat):
@@ -348,9 +351,22 @@ def scalify(fun, *, dequantize_outputs: bool = False):
         else:
             closed = lower_hijax(trace_logical(traced, leaves))
         outs = _Program(leaves, closed.jaxpr.outvars).run(closed, leaves)
-        if dequantize_outputs:
-            outs = [x.to_array() if isinstance(x, ScaledArray) else x for x in outs]
         return _rebuild_outputs(rebuild_out, outs, fun)
+
+    return wrapped
+
+
+def _dequantizing(fun):
+    """``fun`` with each floating array it returns passed through ``scalify.ops.dequantize`` (under
+    scalify: the plain value ``data * scale``; elsewhere: the array itself)."""
+    from scalify.ops import dequantize
+
+    def plain(v):
+        return dequantize(v) if is_tracer(v) and jnp.issubdtype(v.dtype, jnp.inexact) else v
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        return jax.tree.map(plain, fun(*args, **kwargs))
 
     return wrapped
 

@@ -7,7 +7,8 @@ TensorFlow name kauldron reads at import, which must not leak into the other sui
 The checks and their tolerance are the third-party harness's (see the script's docstring).
 
 The fast lane runs the training step in MXFP4, KV-cache decoding in MXFP8 and QLoRA (the library's
-LoRA adapters over NVFP4 base weights); the slow lane the other families and three recipes. ``docs/examples.md`` has the script's full tables.
+LoRA adapters over NVFP4 base weights); the slow lane the other families and three recipes.
+``docs/examples.md`` has the script's full tables.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import run_gemma_library as runner
+
+SCRIPTS = Path(runner.__file__).parent
 
 # (check, formats): each family meets the training step and the decoding once.
 ROTATION = [

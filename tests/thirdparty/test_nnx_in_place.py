@@ -84,6 +84,27 @@ def test_in_place_updates_reach_the_caller(fmt_name):
     assert_tree_close(nnx.state(got), nnx.state(expected), fmt, "model, optimizer and metrics after the step")
 
 
+@pytest.mark.parametrize("fmt_name", ["mxfp8", "nvfp4"])
+def test_dequantize_outputs_leaves_the_modules_state_in_its_format(fmt_name):
+    """``scalify(step, dequantize_outputs=True)`` returns the step's logits as plain float32, while
+    the module it updates in place keeps its kernel scaled (the option is about what the step
+    returns, not about the state written back), and both equal the float32 step's."""
+    fmt = qf.get_format(fmt_name)
+    (got, expected), (x, labels) = _pair(fmt), _batch()
+
+    def step(model, optimizer, metrics, x, labels):
+        train_step(model, optimizer, metrics, x, labels)
+        return model(x)
+
+    want = nnx.jit(step)(*expected, x, labels)
+    logits = nnx.jit(scalify.scalify(step, dequantize_outputs=True))(*got, x, labels)
+    assert isinstance(logits, jax.Array) and logits.dtype == jnp.float32
+    # Still scaled (the updated kernel is a carrier, as without the option), not dequantized.
+    assert isinstance(got[0].fc1.kernel.get_value(), scalify.ScaledArray)
+    assert_tree_close(logits, want, fmt, "logits returned plain")
+    assert_tree_close(nnx.state(got), nnx.state(expected), fmt, "model, optimizer and metrics after the step")
+
+
 def test_a_module_passed_twice_stays_one_module():
     """The graph nodes among the arguments are split together, so aliases survive the lifting."""
     model = Net(nnx.Rngs(0))
