@@ -40,6 +40,7 @@ cannot share a process: the tests run this script in a subprocess.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -47,8 +48,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "thirdparty"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import importlib.util  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
