@@ -7,7 +7,7 @@
 
 The model is ``recurrentgemma.jax.Griffin``, the flax implementation that Google DeepMind publishes
 beside the RecurrentGemma checkpoints: residual blocks alternating the RG-LRU recurrence (gated
-block-diagonal linears, a softplus-parametrised decay ``a = sigma(a_param)^(8 r)``, the
+block-diagonal linears, the decay ``a = exp(-8 r softplus(a_param))`` with ``r`` the recurrence gate, the
 ``sqrt(1 - a^2)`` input normalisation, a temporal 1-D convolution, a linear scan or an associative
 scan over the sequence) with local multi-query attention (a window of 8 tokens, rotary embeddings on
 half the head), a gated GELU MLP, RMSNorm, a tied embedding read out with logit soft-capping, and
