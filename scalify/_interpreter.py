@@ -325,7 +325,7 @@ def scalify(fun, *, dequantize_outputs: bool = False):
     as ``to_array`` does). It is for outputs that go into a container which accepts only
     ``jax.Array`` fields (a jaxtyping-annotated ``flax.struct`` dataclass, such as a sampler's
     decoding state): the weights stay scaled inside ``fun``, what it returns is plain. NNX modules
-    updated in place keep their parameters' formats (only what ``fun`` returns is dequantized).
+    updated in place keep their parameters scaled (only what ``fun`` returns is dequantized).
     """
     if dequantize_outputs:
         fun = _dequantizing(fun)

@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "thirdparty"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -242,8 +243,6 @@ def check(case: Case, fmt) -> tuple[str, str]:
             assert_tree_close(got[i], expected[i], fmt, f"{case.name} {what}")
     except Exception as exc:  # reported per (model, format); the run goes on
         return failure(exc)
-    import jax
-
     return "ok", f"{n_scaled(case.quantized(fmt.name)[1])} of {len(jax.tree.leaves(case.params))} weights scaled"
 
 

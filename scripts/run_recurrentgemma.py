@@ -82,9 +82,12 @@ def fetch(work: Path) -> Path:
 
 
 def import_recurrentgemma(root: Path):
-    """``(recurrentgemma.jax, recurrentgemma.common, sentencepiece)`` imported from ``root``."""
-    if "typeguard" in sys.modules and not sys.modules["typeguard"].__version__.startswith("2."):
-        raise SystemExit("typeguard 3+ is already imported in this process; recurrentgemma needs typeguard 2")
+    """``recurrentgemma.jax`` (``.rg``), ``recurrentgemma.common`` and ``sentencepiece`` imported from ``root``."""
+    loaded = sys.modules.get("typeguard")
+    if loaded is not None and not Path(loaded.__file__).resolve().is_relative_to(root.resolve()):
+        raise SystemExit(
+            f"typeguard is already imported from {loaded.__file__}; recurrentgemma needs the typeguard 2 in {root}"
+        )
     sys.path.insert(0, str(root))
     import recurrentgemma.jax as rg
     import sentencepiece as spm
@@ -193,23 +196,24 @@ def run_check(lib, name: str, column, recipe_run: bool) -> tuple[str, str]:
     return check_decode(lib, column) if name == "decode" else check(build(lib, name), column)
 
 
-def run_table(lib, name_width: int, checks, run_check, argv=None) -> int:
+def run_table(target, name_width: int, checks, check_one, argv=None) -> int:
     """The command line shared with ``run_gemma_library.py``: every (check, format) pair, or every
-    (check, recipe) pair with ``--recipes``, through ``run_check(lib, name, format or recipe,
-    recipe_run)``; prints each row and the summary, returns the exit status."""
+    (check, recipe) pair with ``--recipes``, through ``check_one(lib, name, format or recipe,
+    recipe_run)``, ``lib`` being what ``target.load`` imported; ``target`` also names the package,
+    its version and ``fetch``. Prints each row and the summary; returns the exit status."""
     recipe_names, options, argv = _recipes_arg(argv)
-    args, names, formats = parse_cli(lib.__doc__, checks, lib.package, argv)
-    with tempfile.TemporaryDirectory(prefix=f"{lib.package}_") as tmp:
-        root = args.source.resolve() if args.source else lib.fetch(Path(tmp))
-        imported = lib.load(root)
-        print(f"{lib.package} {lib.version if not args.source else 'from ' + str(root)}")
+    args, names, formats = parse_cli(target.__doc__, checks, target.package, argv)
+    with tempfile.TemporaryDirectory(prefix=f"{target.package}_") as tmp:
+        root = args.source.resolve() if args.source else target.fetch(Path(tmp))
+        lib = target.load(root)
+        print(f"{target.package} {target.version if not args.source else 'from ' + str(root)}")
         rows = []
         with jax.numpy_dtype_promotion("standard"):
             for name in names:
                 for column in recipe_names or formats:
                     run = recipe(column, **options) if recipe_names else column
                     label = column if recipe_names else column.name
-                    outcome, detail = run_check(imported, name, run, bool(recipe_names))
+                    outcome, detail = check_one(lib, name, run, bool(recipe_names))
                     rows.append((name, label, outcome, detail))
                     print(f"{name:{name_width}s} {label:22s} {outcome:5s} {detail}", flush=True)
     columns = [types.SimpleNamespace(name=r) for r in recipe_names] if recipe_names else formats

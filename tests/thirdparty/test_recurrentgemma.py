@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from thirdparty_harness import quantize_tree
 
 import qformats as qf
 import scalify
@@ -77,7 +78,7 @@ def test_sampler_state_without_dequantize_outputs_names_the_option(lib):
 
     model = runner.griffin(lib)
     params = model.init(jax.random.PRNGKey(0), jax.numpy.zeros((1, 4), "int32"), jax.numpy.arange(4)[None])["params"]
-    sampler = lib.rg.Sampler(model, runner.vocabulary(lib), runner.quantize_tree(params, qf.MXFP8), jit_compile=False)
+    sampler = lib.rg.Sampler(model, runner.vocabulary(lib), quantize_tree(params, qf.MXFP8), jit_compile=False)
     tokens = jax.numpy.asarray([[1, 5, 6, 7]])
     with pytest.raises(TypeError, match=r"SamplingState.*dequantize_outputs=True"):
         jax.jit(scalify.scalify(sampler._prompt_processing_fn), static_argnums=(4, 5, 6))(
