@@ -23,6 +23,15 @@ import qformats as qf
 from scalify._jax_compat import is_tracer
 from scalify._pow2 import mul_pow2_bits, pow2_floor_np
 
+TRACED_CONVERSION = (
+    "a ScaledArray was converted to an array inside a traced function (jax.jit, jax.grad, scalify, ...). "
+    "scalify sees only the ScaledArrays passed as arguments of the function it wraps: one captured "
+    "by a closure or stored on an object (e.g. `model.params = scaled_params`) is a constant it "
+    "cannot see. Pass it as an argument, e.g. `scalify.scalify(lambda params, x: model(x, "
+    "params=params))(scaled_params, x)`; a function given ScaledArrays without scalify must be "
+    "wrapped: `jax.jit(scalify.scalify(fn))`."
+)
+
 
 @jax.tree_util.register_pytree_node_class
 class ScaledArray:
@@ -97,7 +106,11 @@ class ScaledArray:
 
     def __array__(self, dtype=None, copy=None):
         # Convert straight to `dtype`: a float16 array with a large scale is finite in float32.
-        return np.asarray(self.to_array(dtype))
+        value = self.to_array(dtype)
+        if is_tracer(value):
+            # Inside a trace no NumPy value exists; JAX would raise TracerArrayConversionError from here.
+            raise TypeError(TRACED_CONVERSION)
+        return np.asarray(value)
 
     def item(self, *args):
         """One element's value as a Python scalar, as ``np.ndarray.item`` (a step's ``loss.item()``)."""

@@ -468,6 +468,29 @@ def test_unsupported_primitive_error_message():
     assert "primitive `ffi_call`" in msg and "mxfp8" in msg and "scalify.ops.dequantize" in msg
 
 
+@pytest.mark.parametrize("fmt", [qf.MXFP8, None], ids=["mxfp8", "carrier"])
+def test_a_scaled_array_converted_inside_a_trace_names_the_fix(fmt):
+    """A ScaledArray captured by a closure (a Hugging Face model's ``model.params = scaled``) or
+    handed to ``jax.jit`` without scalify reaches ``jnp.asarray`` (as flax's ``promote_dtype``
+    calls it) inside the trace, where no NumPy value exists. JAX's own error pointed into
+    ScaledArray.__array__; ours says to pass it as an argument of the scalified function, and that
+    way gives the dequantized program's value."""
+    w = jsa.as_scaled_array(X, fmt=fmt) if fmt else jsa.as_scaled_array(X, scale=np.float32(2.0))
+    v = jnp.ones((X.shape[0],), jnp.float32)
+
+    def layer(v, w):
+        return v @ jnp.asarray(w)
+
+    for fn in (jsa.scalify(lambda v: layer(v, w)), jax.jit(jsa.scalify(lambda v: layer(v, w)))):
+        with pytest.raises(TypeError, match=r"captured by a closure.*Pass it as an argument"):
+            fn(v)
+    with pytest.raises(TypeError, match=r"without scalify must be wrapped: `jax.jit\(scalify.scalify\(fn\)\)`"):
+        jax.jit(layer)(v, w)
+    got = jax.jit(jsa.scalify(layer))(v, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(v) @ np.asarray(w), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(w)), np.asarray(w.to_array()))  # eager still converts
+
+
 def test_explicit_dequantize_is_the_way_forward():
     sx = jsa.as_scaled_array(X, fmt=qf.MXFP8)
     q = jsa.scalify(lambda v: jnp.linalg.qr(jsa.ops.dequantize(v).T)[0])(sx)

@@ -1,0 +1,96 @@
+"""Hugging Face transformers' Flax models, unchanged, under scalify (scripts/run_hf_flax_models.py).
+
+Decoders, encoders with a padding mask, encoder-decoders, vision models (BatchNorm in training
+mode), CLIP, wav2vec 2.0 with a CTC loss, and the library's own ``generate`` (greedy, beam search,
+top-k sampling), each called as its documentation shows with ``params=`` a tree of ScaledArrays,
+against the same program in float32 on the dequantized weights (the third-party harness's check
+and tolerance; generated tokens equal). Each case runs the script in a subprocess on wheels fetched
+once per module: transformers 4.57 (the last line with Flax models) checks at import for the
+``tokenizers`` and ``huggingface_hub`` of its pins, which the script puts first on ``sys.path``,
+where they must not meet another suite's imports.
+
+The fast lane runs three models in MXFP8 (a decoder, an encoder, sampling from an encoder-decoder);
+the slow lane every other check once, each family over several kinds of model, and three recipes.
+``docs/examples.md`` has the script's full tables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import run_hf_flax_models as runner
+
+SCRIPT = Path(runner.__file__)
+
+# (checks, format): one subprocess each; every check once, every family over several kinds of model.
+ROTATION = [
+    ("llama,bert,bart_sample", "mxfp8"),
+    ("mistral,roformer,vit,clip", "fp16"),
+    ("gemma,opt,albert,beit,llama_greedy", "fp8_e4m3"),
+    ("gpt2,electra,dinov2,whisper", "int8_per_channel"),
+    ("gptj,big_bird,regnet,resnet,gpt2_beam", "mxfp4"),
+    ("gpt_neo,bloom,roberta,bart,wav2vec2", "nvfp4"),
+]
+FAST = {ROTATION[0]}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    try:
+        return runner.fetch(tmp_path_factory.mktemp("hf_flax"))
+    except SystemExit as exc:  # no route to PyPI: nothing to run the models from
+        pytest.skip(f"the transformers wheels could not be downloaded: {str(exc)[-500:]}")
+
+
+def run_script(site, *args) -> str:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--source", str(site), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def ok_rows(out: str) -> int:
+    """The rows of the script's table (check, format or recipe, outcome, detail) whose outcome is ok."""
+    return len(re.findall(r"^\S+ +\S+ +ok ", out, flags=re.MULTILINE))
+
+
+def test_rotation_covers_every_check_and_family():
+    from thirdparty_harness import FAMILY_REPRESENTATIVES
+
+    checks = {c for cs, _ in ROTATION for c in cs.split(",")}
+    assert checks == set(runner.CHECKS)
+    assert {f for _, f in ROTATION} == set(FAMILY_REPRESENTATIVES)
+
+
+@pytest.mark.parametrize(
+    ("checks", "fmt"),
+    [pytest.param(c, f, marks=() if (c, f) in FAST else pytest.mark.slow, id=f"{f}") for c, f in ROTATION],
+)
+def test_hf_flax_models_unchanged(site, checks, fmt):
+    out = run_script(site, "--only", checks, "--formats", fmt)
+    n = len(checks.split(","))
+    assert f"{n} of {n} (example, format) pairs ok or n/a; 0 failed" in out, out
+    assert ok_rows(out) == n, out  # every row ran: none is n/a
+
+
+@pytest.mark.slow
+def test_hf_flax_models_under_recipes(site):
+    """``recipes.apply`` on the unchanged losses at 32 tokens: ``high`` reproduces float32, MXFP8 and
+    NVFP4 give gradients above their cosine floors (docs/examples.md has every built-in)."""
+    out = run_script(site, "--only", "llama,bert,bart", "--recipes", "high,mxfp8,nvfp4")
+    assert "9 of 9 (example, format) pairs ok or n/a; 0 failed" in out, out
+    assert ok_rows(out) == 9, out
