@@ -73,7 +73,7 @@ import scalify  # noqa: E402
 # The versions the figures in docs/examples.md were measured with.
 HF_VERSION = "4.57.6"
 WHEELS = (f"transformers=={HF_VERSION}", "tokenizers==0.22.2", "huggingface_hub==0.36.2")
-BATCH, SEQ, RECIPE_SEQ, VOCAB, WIDTH = 2, 12, 32, 64, 64
+BATCH, SEQ, RECIPE_SEQ, VOCAB, WIDTH, IMAGE = 2, 12, 32, 64, 64, 32
 # Special tokens for generation; the random batches draw ids from 3 up.
 TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "decoder_start_token_id": 2}
 NEW_TOKENS = 8
@@ -111,9 +111,9 @@ def _ce(logits, labels, weights=None):
     return losses.mean() if weights is None else (losses * weights).sum() / weights.sum()
 
 
-def _pixels(side: int = 32):
+def _pixels():
     # NCHW, as the Flax vision models take them (they transpose to NHWC inside).
-    return jnp.asarray(np.random.default_rng(5).standard_normal((BATCH, 3, side, side)), jnp.float32)
+    return jnp.asarray(np.random.default_rng(5).standard_normal((BATCH, 3, IMAGE, IMAGE)), jnp.float32)
 
 
 # The sizes every text model shares; configs that name them otherwise (GPT-2's ``n_embd``, BLOOM's
@@ -162,7 +162,7 @@ ENCODERS = {
 # Block-sparse attention needs more than (5 + 2 * random blocks) * block size tokens.
 ENCODER_SEQ = {"big_bird": 40}
 VIT = {
-    "image_size": 32,
+    "image_size": IMAGE,
     "patch_size": 8,
     **{k: TEXT[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")},
 }
@@ -281,7 +281,7 @@ def clip(hf, name: str, seq: int = SEQ) -> Case:
     tower = {k: TEXT[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
     config = hf.CLIPConfig(
         text_config={**tower, "vocab_size": VOCAB, "max_position_embeddings": 64},
-        vision_config={**tower, "image_size": 32, "patch_size": 8},
+        vision_config={**tower, "image_size": IMAGE, "patch_size": 8},
         projection_dim=32,
     )
     model = hf.FlaxCLIPModel(config, seed=0)

@@ -13,12 +13,11 @@ LoRA adapters over NVFP4 base weights); the slow lane the other families and thr
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import thirdparty_harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import run_gemma_library as runner
@@ -48,17 +47,7 @@ def site(tmp_path_factory):
 
 
 def run_script(site, *args) -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "run_gemma_library.py"), "--source", str(site), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return thirdparty_harness.run_script(SCRIPTS / "run_gemma_library.py", site, *args)
 
 
 def test_rotation_covers_every_check_and_family():

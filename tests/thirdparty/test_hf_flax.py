@@ -16,13 +16,12 @@ the slow lane every other check once, each family over several kinds of model, a
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import thirdparty_harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import run_hf_flax_models as runner
@@ -50,17 +49,7 @@ def site(tmp_path_factory):
 
 
 def run_script(site, *args) -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--source", str(site), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return thirdparty_harness.run_script(SCRIPT, site, *args)
 
 
 def ok_rows(out: str) -> int:

@@ -193,6 +193,24 @@ def assert_tree_close(got, expected, fmt, what: str, rtol_factor: float = 1.0):
 
 
 # -- the checks ----------------------------------------------------------------------------------------
+def run_script(script, site, *args) -> str:
+    """stdout of ``python script --source site *args`` on the CPU, asserting it exits 0: the scripts
+    whose wheels pin packages that must not meet another suite's imports run in a process of their own."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(script), "--source", str(site), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
 def make_optimizer():
     """Adam with an eps large enough that the first step is Lipschitz in the gradient.
 
