@@ -16,7 +16,6 @@ the slow lane every other check once, each family over several kinds of model, a
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -52,11 +51,6 @@ def run_script(site, *args) -> str:
     return thirdparty_harness.run_script(SCRIPT, site, *args)
 
 
-def ok_rows(out: str) -> int:
-    """The rows of the script's table (check, format or recipe, outcome, detail) whose outcome is ok."""
-    return len(re.findall(r"^\S+ +\S+ +ok ", out, flags=re.MULTILINE))
-
-
 def test_rotation_covers_every_check_and_family():
     from thirdparty_harness import FAMILY_REPRESENTATIVES
 
@@ -73,7 +67,7 @@ def test_hf_flax_models_unchanged(site, checks, fmt):
     out = run_script(site, "--only", checks, "--formats", fmt)
     n = len(checks.split(","))
     assert f"{n} of {n} (example, format) pairs ok or n/a; 0 failed" in out, out
-    assert ok_rows(out) == n, out  # every row ran: none is n/a
+    assert thirdparty_harness.ok_rows(out) == n, out  # every row ran: none is n/a
 
 
 @pytest.mark.slow
@@ -82,4 +76,4 @@ def test_hf_flax_models_under_recipes(site):
     NVFP4 give gradients above their cosine floors (docs/examples.md has every built-in)."""
     out = run_script(site, "--only", "llama,bert,bart", "--recipes", "high,mxfp8,nvfp4")
     assert "9 of 9 (example, format) pairs ok or n/a; 0 failed" in out, out
-    assert ok_rows(out) == 9, out
+    assert thirdparty_harness.ok_rows(out) == 9, out

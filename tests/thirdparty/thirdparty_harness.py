@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -209,6 +210,11 @@ def run_script(script, site, *args) -> str:
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def ok_rows(out: str) -> int:
+    """The rows of a script's table (check, format or recipe, outcome, detail) whose outcome is ok."""
+    return len(re.findall(r"^\S+ +\S+ +ok ", out, flags=re.MULTILINE))
 
 
 def make_optimizer():
