@@ -29,9 +29,10 @@ becomes a ScaledArray, the reference is float32 on the dequantized weights):
 * ``vae``: ``FlaxAutoencoderKL``: encode, a reparameterised sample of the posterior from a PRNG key,
   decode; reconstruction error plus the KL term.
 
-Generation checks run a pipeline's own ``_generate`` (what ``pipeline(..., jit=True)`` compiles)
-as ``jax.jit(scalify.scalify(...))`` with the text encoders, UNet, ControlNet and VAE weights in
-the format and the scheduler state in float32, three denoising steps with classifier-free guidance:
+Generation checks run a pipeline's own ``_generate`` (what ``pipeline(...)`` calls, under
+``jax.pmap`` with ``jit=True``) as ``jax.jit(scalify.scalify(...))`` with the text encoders, UNet,
+ControlNet and VAE weights in the format and the scheduler state in float32, three denoising steps
+with classifier-free guidance:
 ``sd_ddim`` (``FlaxStableDiffusionPipeline``, DDIM), ``sd_dpm`` (the same with DPM-Solver++
 multistep, whose state carries earlier model outputs through the ``fori_loop``), ``sd_img2img``
 (``FlaxStableDiffusionImg2ImgPipeline``: the VAE encodes an image, noise is added at the start
