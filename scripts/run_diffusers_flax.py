@@ -263,8 +263,9 @@ def _text_encoder(lib, projection: bool = False):
 
 
 def _pipeline(lib, name: str):
-    """``(generate(weights, key), weights, scheduler state)`` for a generation check: ``generate`` is
-    the pipeline's ``_generate`` on fixed prompts (and image), three steps, guidance 7.5."""
+    """``(generate(weights, key), weights)`` for a generation check: ``generate`` is the pipeline's
+    ``_generate`` on fixed prompts (and image) with the scheduler's state in float32, three steps,
+    guidance 7.5."""
     d = lib.diffusers
     scheduler_cls = d.FlaxDPMSolverMultistepScheduler if name == "sd_dpm" else d.FlaxDDIMScheduler
     scheduler = scheduler_cls(**SCHEDULE)
