@@ -100,7 +100,11 @@ class RecipeContraction(BindRule):
         y = contraction(self.recipe, op, out_dtype, tuple(scopes), x, w, *rest).astype(out_avals[0].dtype)
         if unswap is not None:
             y = jnp.transpose(y, unswap)
-        return y, Quantized(op, unswap, x.shape, w.shape)
+        # What the backward GEMMs read of the decision: the axes, shapes and the weight's side, not
+        # where the output is placed (a layer traced inside pmap's mesh and one JAX's transposition
+        # binds outside it decide alike).
+        placed = Contraction(primitive, tuple((k, v) for k, v in op.params if k != "out_sharding"))
+        return y, Quantized(placed, unswap, x.shape, w.shape)
 
     def _backward(self, primitive, invals, params, out_avals, scopes, partner, decision):
         """A contraction JAX's transposition emitted for ``partner``: the dgrad or wgrad GEMM of the

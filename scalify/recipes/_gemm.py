@@ -189,7 +189,35 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
         d = digest(x32) if source_digest is None else source_digest
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(recipe.seed), ROLES.index(role)), d)
         key = key if group is None else jax.random.fold_in(key, group)
-    return _through(view, lambda v: fmt.fake_quantize(v, key), x32)
+    return _straight_through(_Quantizer(fmt, view), x32, key)
+
+
+class _Quantizer(NamedTuple):
+    """``fmt.fake_quantize`` in ``view`` (hashable: a static argument of :func:`_straight_through`)."""
+
+    fmt: object
+    view: _View | None
+
+    def __call__(self, x, key):
+        return _through(self.view, lambda v: self.fmt.fake_quantize(v, key), x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _straight_through(fake_quantize, x, key):
+    """``fake_quantize(x, key)`` whose derivative is the identity.
+
+    The quantizer is piecewise constant in ``x`` (integer codes; scales read from bits), so its own
+    derivative is zero or, through a tensor's amax, meaningless. A gradient that differentiates a
+    recipe's GEMMs again (a gradient penalty, a Hessian-vector product: the backward GEMMs read
+    quantized operands) treats each quantizer as the value it approximates: ``d q(x) = dx``.
+    """
+    return fake_quantize(x, key)
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(fake_quantize, primals, tangents):
+    x, key = primals
+    return _straight_through(fake_quantize, x, key), tangents[0]
 
 
 def _through(view: _View | None, fn, x):
