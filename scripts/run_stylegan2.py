@@ -34,8 +34,8 @@ which no longer exist. Each step's new states and metrics must equal float32's w
 tolerance. Without ``--source`` those rows are ``n/a``.
 
 What the script changes in flaxmodels: ``jnp.reshape`` accepts its ``newshape`` keyword again
-(flaxmodels 0.1.3 passes it; JAX removed it in 0.7). Adam's eps is 1e-2, as in the harness, so
-that a step is Lipschitz in the gradient.
+(flaxmodels 0.1.3 passes it; JAX removed it in 0.7), in the script's process. In the optimizer:
+Adam's eps is 1e-2, as in the harness, so that a step is Lipschitz in the gradient.
 
 With ``--recipes`` the weights stay float32 and each loss runs as
 ``jax.value_and_grad(recipes.apply(loss, recipe))`` (``run_keras_hub_models.check_recipe``), at 32
@@ -63,12 +63,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _jax_scalify_source import fetch_wheels  # noqa: E402
-from run_flax_examples import failure  # noqa: E402
+from run_flax_examples import _change, _float_leaves, failure  # noqa: E402
 from run_keras_hub_models import check, check_recipe, cosine, cosine_floor, recipe_outcome  # noqa: E402
 from run_recurrentgemma import run_table  # noqa: E402
 from thirdparty_harness import Case, assert_tree_close, dequantize_tree, n_scaled, quantize_tree  # noqa: E402
 
 import scalify  # noqa: E402
+from scalify import recipes  # noqa: E402
 
 # The version the figures in docs/examples.md were measured with.
 FLAXMODELS_VERSION = "0.1.3"
@@ -93,12 +94,15 @@ def fetch(work: Path) -> Path:
 
 
 def accept_newshape():
-    """``jnp.reshape(a, newshape=...)`` as before JAX 0.7 (flaxmodels 0.1.3 calls it so)."""
+    """``jnp.reshape(a, newshape=...)`` as before JAX 0.7 (flaxmodels 0.1.3 calls it so); once."""
     reshape = jnp.reshape
+    if getattr(reshape, "accepts_newshape", False):
+        return
 
     def reshape_with_newshape(a, shape=None, *args, newshape=None, **kwargs):
         return reshape(a, newshape if shape is None else shape, *args, **kwargs)
 
+    reshape_with_newshape.accepts_newshape = True
     jnp.reshape = reshape_with_newshape
 
 
@@ -299,14 +303,11 @@ def step_check(lib, name: str, run, recipe_run: bool) -> tuple[str, str]:
 
 def _step_recipe(step, arguments, trained, state_g, state_d, recipe):
     """(cosine, detail, floor) of the step under ``recipes.apply``: the change it makes to the
-    trained state's parameters and Adam moments against float32's."""
-    from run_keras_hub_models import _flat
-
-    from scalify import recipes
-
-    before = _flat(_trained((state_g, state_d)[trained]))
-    expected = _flat(_trained(_pmapped(step)(*arguments(state_g, state_d))[0])) - before
-    got = _flat(_trained(_pmapped(recipes.apply(step, recipe))(*arguments(state_g, state_d))[0])) - before
+    trained state's parameters and Adam moments (floating leaves: not Adam's step count, which
+    moves by one in both) against float32's."""
+    before = _float_leaves(_trained((state_g, state_d)[trained]))
+    expected = _change(before, _trained(_pmapped(step)(*arguments(state_g, state_d))[0]))
+    got = _change(before, _trained(_pmapped(recipes.apply(step, recipe))(*arguments(state_g, state_d))[0]))
     if not np.isfinite(got).all():
         raise FloatingPointError(f"non-finite update under {recipe.name}")
     c = cosine(got, expected)
@@ -317,6 +318,7 @@ def _step_recipe(step, arguments, trained, state_g, state_d, recipe):
 
 
 def run_check(lib, name: str, run, recipe_run: bool) -> tuple[str, str]:
+    """(outcome, detail) of check ``name`` under ``run``, a format or (``recipe_run``) a recipe."""
     if name in STEPS:
         return step_check(lib, name, run, recipe_run)
     case = loss_case(lib, name, recipe_run)
@@ -327,7 +329,7 @@ def main(argv=None) -> int:
     this = types.SimpleNamespace(
         __doc__=__doc__, package="flaxmodels", version=FLAXMODELS_VERSION, fetch=fetch, load=load
     )
-    return run_table(this, 14, CHECKS, run_check, argv)
+    return run_table(this, max(map(len, CHECKS)) + 2, CHECKS, run_check, argv)
 
 
 if __name__ == "__main__":

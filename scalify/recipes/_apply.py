@@ -36,7 +36,8 @@ def _is_float(x) -> bool:
 class Quantized(NamedTuple):
     """What the recipe made of a forward contraction: ``op(x, w)`` with the weight as the rhs;
     ``unswap``: the permutation taking ``op``'s output to the program's, when the program bound the
-    weight first (``None`` otherwise)."""
+    weight first (``None`` otherwise). ``op`` is recorded without ``out_sharding``: it names the
+    axes the backward GEMMs quantize along and is compared, never bound."""
 
     op: Contraction
     unswap: tuple[int, ...] | None
@@ -100,11 +101,11 @@ class RecipeContraction(BindRule):
         y = contraction(self.recipe, op, out_dtype, tuple(scopes), x, w, *rest).astype(out_avals[0].dtype)
         if unswap is not None:
             y = jnp.transpose(y, unswap)
-        # What the backward GEMMs read of the decision: the axes, shapes and the weight's side, not
-        # where the output is placed (a layer traced inside pmap's mesh and one JAX's transposition
-        # binds outside it decide alike).
-        placed = Contraction(primitive, tuple((k, v) for k, v in op.params if k != "out_sharding"))
-        return y, Quantized(placed, unswap, x.shape, w.shape)
+        # The backward GEMMs read the axes, shapes and the weight's side of the decision, not where
+        # the output is placed: a contraction JAX's transposition binds with pmap's out_sharding and
+        # a forward one without it, both quantized alike, are one outcome to the pairing.
+        axes_only = Contraction(primitive, tuple((k, v) for k, v in op.params if k != "out_sharding"))
+        return y, Quantized(axes_only, unswap, x.shape, w.shape)
 
     def _backward(self, primitive, invals, params, out_avals, scopes, partner, decision):
         """A contraction JAX's transposition emitted for ``partner``: the dgrad or wgrad GEMM of the

@@ -193,7 +193,7 @@ def quantize_operand(recipe: Recipe, role: str, x, aim: _Aim, source_digest=None
 
 
 class _Quantizer(NamedTuple):
-    """``fmt.fake_quantize`` in ``view`` (hashable: a static argument of :func:`_straight_through`)."""
+    """``fmt.fake_quantize`` in ``view``: the non-differentiated argument of :func:`_straight_through`."""
 
     fmt: object
     view: _View | None
