@@ -15,7 +15,7 @@ gradients ``dD/dx`` and ``dD/dparams``), relative L2 error per leaf. Measured on
 second-order quantities are products of the first-order ones' factors, so their error is of the
 same order. A zero gradient (relative error 1) is about 3 (MXFP4) to 16 (MXFP8 rceil) times the
 first-order error. The quantized values themselves are unchanged: ``test_torchao_vectors.py`` pins
-every quantized operand bit for bit.
+the quantized operands of the recipes torchao runs on CPU (all but NVFP4) bit for bit.
 """
 
 from __future__ import annotations
