@@ -193,7 +193,7 @@ EXAMPLES = {
 def code_cells(root: Path, notebook: str) -> list[str]:
     path = root / "docs" / "examples" / f"{notebook}.ipynb"
     if not path.is_file():
-        raise SystemExit(f"{path} not found: pass the root of an equinox git checkout as --source")
+        raise SystemExit(f"{path} not found: pass the root of the git checkout that holds docs/examples/ as --source")
     cells = json.loads(path.read_text())["cells"]
     # IPython magics and shell escapes are not Python.
     strip = lambda src: "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))

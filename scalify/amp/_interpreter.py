@@ -96,21 +96,40 @@ class _Amp(_walk.Walk):
     """amp's walk under the named ``scopes`` around the walked jaxpr (outermost first).
 
     ``sources``: ``{sub-jaxpr: the sources of its invars}`` (:mod:`scalify.amp._sources`) for the
-    sub-jaxprs of one equation; ``None`` for the walked function itself.
+    sub-jaxprs of one equation; ``None`` for the walked function itself. ``rule_of``: that
+    equation's primitive when it is a ``custom_jvp_call`` or ``custom_vjp_call``, whose derivative
+    rule's jaxpr this walk also evaluates (see :meth:`_inputs`).
     """
 
-    def __init__(self, ctx: _Context, scopes: tuple[str, ...] = (), sources: dict | None = None):
+    def __init__(self, ctx: _Context, scopes: tuple[str, ...] = (), sources: dict | None = None, rule_of=None):
         self.ctx = ctx
         self.scopes = scopes
         self.sources = sources
+        self.rule_of = rule_of
         self.cache = ctx.retraced
         self.key = (scopes, None if sources is None else tuple(sources.values()))
         self._env = None
 
+    def _inputs(self, jaxpr) -> tuple | None:
+        """The sources of ``jaxpr``'s invars. A custom derivative rule's jaxpr (not among the
+        equation's sub-jaxprs: JAX traces it lazily) takes the primals first, in the call's order,
+        with their sources; a JVP rule then takes the tangents of the non-zero primals."""
+        if self.sources is None:
+            return None
+        known = self.sources.get(jaxpr)
+        if known is not None:
+            return known
+        if self.rule_of in (jc.custom_jvp_call_p, jc.custom_vjp_call_p):
+            (primals,) = self.sources.values()
+            extra = len(jaxpr.invars) - len(primals)
+            if extra == 0 or (extra > 0 and self.rule_of is jc.custom_jvp_call_p):
+                return (*primals, *(_sources.TANGENT,) * extra)
+        return (_sources.MANY,) * len(jaxpr.invars)
+
     def eval(self, jaxpr, consts, args) -> list:
         if not self.ctx.tracks_sources:
             return super().eval(jaxpr, consts, args)
-        inputs = None if self.sources is None else self.sources.get(jaxpr, (_sources.MANY,) * len(jaxpr.invars))
+        inputs = self._inputs(jaxpr)
         outer, self._env = self._env, _sources.Sources(jaxpr, inputs)
         try:
             return super().eval(jaxpr, consts, args)
@@ -143,10 +162,17 @@ class _Amp(_walk.Walk):
             # A sub-jaxpr keeps its signature: its operands get the traced program's dtypes back.
             invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
             if prim in _walk.HIGHER_ORDER:
-                return _walk.rebuild(_Amp(self.ctx, scopes, self._sub_sources(eqn, sources)), eqn, invals)
+                walk = _Amp(self.ctx, scopes, self._sub_sources(eqn, sources), rule_of=prim)
+                return _walk.rebuild(walk, eqn, invals)
             return jc.bind_params(prim, invals, eqn.params)  # one the walker does not describe
         rule = self.ctx.lookup(scopes, prim)
         subfuns, params = jc.get_bind_params(prim, eqn.params)
+        if isinstance(rule, BindRule) and sources is not None and _sources.TANGENT in sources:
+            # A contraction on a tangent inside a custom JVP rule: JAX transposes this part of the
+            # rule for reverse mode, and a rule's replacement (a recipe's custom-VJP GEMM) has no
+            # transpose. It stays as the rule wrote it; the rule's primal part follows the policy.
+            invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
+            return jc.bind_params(prim, invals, eqn.params)
         if isinstance(rule, BindRule):
             invals = _cast_to_avals(invals, [v.aval for v in eqn.invars])
             counts = () if sources is None else tuple(_sources.count(s) for s in sources)

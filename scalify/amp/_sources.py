@@ -10,6 +10,11 @@ An equation's outputs take the join of its operands' sources, leaving out intege
 scalars (loop counters, indices, predicates), and a loop carry is :data:`MANY` (it changes with
 the iterations). Sub-jaxprs receive their operands' sources renumbered in order of appearance, so
 one jnp helper called on differently-sourced but alike-patterned operands is walked once.
+
+A custom derivative rule's jaxpr (``custom_vjp``'s forward, ``custom_jvp``'s JVP) takes the
+primal operands first: they keep their sources. The JVP rule's tangent inputs are
+:data:`TANGENT`, and so is everything computed from one: JAX transposes that part of the rule for
+reverse mode, so it must stay linear (see ``scalify.amp._interpreter``).
 """
 
 from __future__ import annotations
@@ -19,25 +24,29 @@ import jax.numpy as jnp
 from scalify import _jax_compat as jc
 
 MANY = "many"
+TANGENT = "tangent"
 
 
 def join(sources):
-    """The source of a value computed from values of ``sources``: ``None`` if none has one, the
-    input they share if one, else :data:`MANY`."""
+    """The source of a value computed from values of ``sources``: :data:`TANGENT` if one is a
+    tangent, else ``None`` if none has one, the input they share if one, else :data:`MANY`."""
     out = None
     for s in sources:
         if s is None:
             continue
+        if s == TANGENT:
+            return TANGENT
         if s == MANY or (out is not None and s != out):
-            return MANY
-        out = s
+            out = MANY
+        else:
+            out = s
     return out
 
 
 def canonical(sources) -> tuple:
     """``sources`` with the inputs' ids renumbered 0, 1, ... in order of first appearance."""
     ids: dict = {}
-    return tuple(s if s is None or s == MANY else ids.setdefault(s, len(ids)) for s in sources)
+    return tuple(s if s is None or s in (MANY, TANGENT) else ids.setdefault(s, len(ids)) for s in sources)
 
 
 def count(source) -> int:

@@ -82,7 +82,13 @@ STEP_ROTATION = {
 # Suites whose step runs for these formats only: what they add to the suite is rules that dequantize
 # or fold to per-tensor whatever the format (scatter-max, the factorizations); every family's path
 # through the rest of a model's step is the other suites' (their compiles were 12-19 s each).
-STEP_ONLY = {"test_graphs_and_gps": ("fp8_e4m3", "mxfp8", "nvfp4")}
+STEP_ONLY = {
+    "test_graphs_and_gps": ("fp8_e4m3", "mxfp8", "nvfp4"),
+    # diffrax's solvers meet the rules of a plain MLP's step; what they add is the loops, adjoints
+    # and custom rules around them (each step compiles the solve and its adjoint: 17-23 s). The
+    # loss runs in every format.
+    "test_diffrax": ("mxfp8", "nvfp4"),
+}
 STEP_TESTS = ("test_grad", "test_adam_update")
 
 

@@ -1,0 +1,103 @@
+"""A recipe around a program with its own derivative rules (``jax.custom_vjp``, ``jax.custom_jvp``),
+differentiated outside ``recipes.apply``.
+
+Found on diffrax (``tests/thirdparty/test_diffrax.py``): its default adjoint is equinox's
+checkpointed ``while_loop``, a ``custom_vjp`` whose forward rule holds every step of the solve, and
+its ``ImplicitAdjoint`` a ``custom_jvp`` whose JVP rule solves a linear system in the tangents.
+
+* The forward rule's jaxpr is traced lazily, apart from the primal one, and was walked with every
+  operand's source unknown: under ``weights_only`` no contraction in it had a weight, so a neural
+  ODE's whole solve kept float32 under ``jax.grad`` (its gradient equal to float32's, cosine 1.0)
+  while the same call without ``grad`` ran under the recipe. The rule's primals now keep their
+  sources.
+* A contraction on a tangent inside a JVP rule became the recipe's custom-VJP GEMM, which JAX
+  cannot transpose for reverse mode ("Transpose rule ... for 'custom_vjp_call' not implemented").
+  It now stays as the rule wrote it (JAX transposes it); the rule's primal part runs under the
+  recipe.
+
+References: the same layer written without the custom rule under the recipe (the forward values,
+bit for bit), and the derivative the rule states, evaluated in NumPy on the recipe's forward output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalify import recipes
+
+
+def _data(shape, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+W, X = _data((64, 32), 0, 0.2), _data((32, 64), 1)
+
+
+@jax.custom_vjp
+def _vjp_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+def _vjp_fwd(w, x):
+    y = jnp.tanh(x @ w)
+    return y, (w, x, y)
+
+
+def _vjp_bwd(res, g):
+    w, x, y = res
+    d = g * (1 - y**2)
+    return x.T @ d, d @ w.T
+
+
+_vjp_layer.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def _plain_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_a_custom_vjp_forward_rule_runs_under_the_recipe(weights_only):
+    """Under ``jax.value_and_grad`` JAX evaluates the forward rule, not the primal: its value is the
+    recipe's, bit for bit the layer's without the custom rule, and not float32's."""
+    r = recipes.MXFP8.replace(weights_only=weights_only)
+    loss = lambda layer: lambda w, x: jnp.sum(layer(w, x) ** 2)
+    value, grad = jax.value_and_grad(recipes.apply(loss(_vjp_layer), r))(W, X)
+    want = recipes.apply(loss(_plain_layer), r)(W, X)
+    np.testing.assert_array_equal(value, want)
+    assert float(value) != float(loss(_plain_layer)(W, X))
+    # The backward rule is the program's own (JAX calls it after the walk): its contractions keep
+    # the program's precision, on the recipe's forward output.
+    y = np.asarray(recipes.apply(_plain_layer, r)(W, X), np.float64)
+    d = 2 * y * (1 - y**2)
+    np.testing.assert_allclose(grad, X.T.astype(np.float64) @ d, rtol=1e-5, atol=1e-5 * np.abs(grad).max())
+
+
+@jax.custom_jvp
+def _jvp_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+@_jvp_layer.defjvp
+def _jvp_rule(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    y = _jvp_layer(w, x)
+    return y, (1 - y**2) * (dx @ w + x @ dw)
+
+
+@pytest.mark.parametrize("name", ["MXFP8", "FLOAT8_TENSORWISE", "NVFP4"])
+def test_a_custom_jvp_rule_with_tangent_contractions_is_differentiable(name):
+    """``jax.grad`` transposes the JVP rule's tangent part: its contractions stay transposable, and
+    the gradient is the rule's derivative on the recipe's forward output
+    (``dL/dw = x^T ((1 - y^2) g)``, ``dL/dx = ((1 - y^2) g) w^T``)."""
+    r = getattr(recipes, name)
+    loss = lambda layer: lambda w, x: jnp.sum(layer(w, x) * X[:, :32])
+    value, (gw, gx) = jax.value_and_grad(recipes.apply(loss(_jvp_layer), r), argnums=(0, 1))(W, X)
+    np.testing.assert_array_equal(value, recipes.apply(loss(_plain_layer), r)(W, X))
+    y = np.asarray(recipes.apply(_plain_layer, r)(W, X), np.float64)
+    d = (1 - y**2) * X[:, :32].astype(np.float64)
+    np.testing.assert_allclose(gw, X.T.astype(np.float64) @ d, rtol=1e-5, atol=1e-5 * np.abs(gw).max())
+    np.testing.assert_allclose(gx, d @ W.T.astype(np.float64), rtol=1e-5, atol=1e-5 * np.abs(gx).max())
