@@ -43,9 +43,7 @@ calls made up to that error agree.
 
 from __future__ import annotations
 
-import re
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +53,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import run_equinox_examples as eqx_examples  # noqa: E402
-from run_equinox_examples import Example, Run, _same_calls, check, check_recipe, code_cells, execute  # noqa: E402
+from run_equinox_examples import (  # noqa: E402
+    Example,
+    Run,
+    _same_calls,
+    check,
+    check_recipe,
+    code_cells,
+    execute,
+    outcome,
+    run_scaled,
+)
 from run_flax_examples import failure, install_stand_ins, parse_cli, summary  # noqa: E402
 from run_keras_hub_models import _recipes_arg, recipe  # noqa: E402
 from thirdparty_harness import ABS_FLOOR, array_leaves, check_tolerance  # noqa: E402
@@ -169,14 +177,7 @@ def check_adaptive(example: Example, cells: list[str], fmt) -> tuple[str, str]:
         for probe in probes:
             execute(example, cells, probe)
             _same_calls(probe, expected)
-        stopped = None
-        try:
-            execute(example, cells, got)
-        except TypeError as exc:
-            if not (example.stops and re.search(example.stops, str(exc))):
-                raise
-            stopped = exc
-        _same_calls(got, expected, stopped is not None)
+        stopped = run_scaled(example, cells, got, expected)
         for k, (name, g) in enumerate(got.calls):
             exps, gots = array_leaves(expected.calls[k][1]), array_leaves(g)
             moves = zip(*(array_leaves(p.calls[k][1]) for p in probes), strict=True)  # per leaf
@@ -190,7 +191,7 @@ def check_adaptive(example: Example, cells: list[str], fmt) -> tuple[str, str]:
                 err = float(np.max(np.abs(a[ok] - e[ok]), initial=0.0))
                 runs = [e[ok], *(np.asarray(p, np.float64)[ok] for p in ps)]
                 moved = max(
-                    float(np.max(np.abs(x - y), initial=0.0)) for i, x in enumerate(runs) for y in runs[i + 1 :]
+                    float(np.max(np.abs(x - y), initial=0.0)) for j, x in enumerate(runs) for y in runs[j + 1 :]
                 )
                 rounding = check_tolerance(fmt) * (1 + k) * float(np.max(np.abs(e[ok]), initial=0.0))
                 bound = rounding + ABS_FLOOR * (1 + k) * tree_max + PROBE_FACTOR * moved
@@ -204,13 +205,10 @@ def check_adaptive(example: Example, cells: list[str], fmt) -> tuple[str, str]:
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
         return failure(exc)
     detail = (
-        f"{got.n_scaled} weights scaled, {len(got.calls)} jitted calls agree within float32's own movement "
+        f"{got.n_scaled} weights scaled, {len(got.calls)} jitted calls agree within float32's own spread "
         f"(largest ratio {worst:.2f})"
     )
-    if stopped:
-        where = traceback.extract_tb(stopped.__traceback__)[-2]
-        return "ok*", f"{detail}; then stops as expected at {where.filename}:{where.lineno} ({where.line})"
-    return "ok", detail
+    return outcome(detail, stopped)
 
 
 def main(argv=None) -> int:

@@ -322,6 +322,28 @@ def _same_calls(got: Run, expected: Run, stopped: bool = False) -> None:
         raise AssertionError(f"the runs made different jitted calls: {names} and {want}")
 
 
+def run_scaled(example: Example, cells: list[str], got: Run, expected: Run) -> TypeError | None:
+    """Run the notebook under ``got`` (scaled) after ``expected``; the error it stops at as
+    expected (``example.stops``), or ``None``. Checks that both made the same jitted calls."""
+    stopped = None
+    try:
+        execute(example, cells, got)
+    except TypeError as exc:
+        if not (example.stops and re.search(example.stops, str(exc))):
+            raise
+        stopped = exc
+    _same_calls(got, expected, stopped is not None)
+    return stopped
+
+
+def outcome(detail: str, stopped: TypeError | None) -> tuple[str, str]:
+    """``ok``, or ``ok*`` with where the run stopped as expected."""
+    if stopped:
+        where = traceback.extract_tb(stopped.__traceback__)[-2]
+        return "ok*", f"{detail}; then stops as expected at {where.filename}:{where.lineno} ({where.line})"
+    return "ok", detail
+
+
 def check(example: Example, cells: list[str], fmt) -> tuple[str, str]:
     """(outcome, detail) of the notebook with its steps under ``scalify`` against float32."""
     got, expected = Run(fmt, scaled=True), Run(fmt, scaled=False)
@@ -329,23 +351,12 @@ def check(example: Example, cells: list[str], fmt) -> tuple[str, str]:
         execute(example, cells, expected)
         if expected.n_scaled == 0:
             return "n/a", f"no weight has a shape that {fmt.name} accepts"
-        stopped = None
-        try:
-            execute(example, cells, got)
-        except TypeError as exc:
-            if not (example.stops and re.search(example.stops, str(exc))):
-                raise
-            stopped = exc
-        _same_calls(got, expected, stopped is not None)
+        stopped = run_scaled(example, cells, got, expected)
         for k, ((name, g), (_, e)) in enumerate(zip(got.calls, expected.calls[: len(got.calls)], strict=True)):
             assert_tree_close(array_leaves(g), array_leaves(e), fmt, f"call {k} ({name})", rtol_factor=1 + k)
     except Exception as exc:  # reported per example and format (traceback on stderr), not raised
         return failure(exc)
-    detail = f"{got.n_scaled} weights scaled, {len(got.calls)} jitted calls agree"
-    if stopped:
-        where = traceback.extract_tb(stopped.__traceback__)[-2]
-        return "ok*", f"{detail}; then stops as expected at {where.filename}:{where.lineno} ({where.line})"
-    return "ok", detail
+    return outcome(f"{got.n_scaled} weights scaled, {len(got.calls)} jitted calls agree", stopped)
 
 
 def _update(run: Run) -> np.ndarray:

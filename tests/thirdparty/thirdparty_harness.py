@@ -85,9 +85,9 @@ STEP_ROTATION = {
 STEP_ONLY = {
     "test_graphs_and_gps": ("fp8_e4m3", "mxfp8", "nvfp4"),
     # diffrax's solvers meet the rules of a plain MLP's step; what they add is the loops, adjoints
-    # and custom rules around them (each step compiles the solve and its adjoint: 17-23 s). The
-    # loss runs in every format.
-    "test_diffrax": ("mxfp8", "nvfp4"),
+    # and custom rules around them (each step compiles the solve and its adjoint: 17-27 s; all six
+    # family formats passed when measured). The loss runs in every format.
+    "test_diffrax": ("mxfp8",),
 }
 STEP_TESTS = ("test_grad", "test_adam_update")
 
