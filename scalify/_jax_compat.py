@@ -210,6 +210,39 @@ def custom_vjp_bwd(bwd, residuals, cotangents, in_avals):
     return res
 
 
+def _symbolic_zero(x) -> bool:
+    return x is None or isinstance(x, (ad.Zero, jax.custom_derivatives.SymbolicZero))
+
+
+def custom_vjp_bwd_jaxpr(bwd, args):
+    """A ``custom_vjp_call``'s ``bwd`` rule on ``args`` (residuals, then cotangents), traced.
+
+    Returns ``(closed, kept, put_back)``: ``closed`` takes the arguments that are JAX arrays
+    (``kept[i]`` says whether argument ``i`` is one) and returns the rule's array outputs; the
+    others (symbolic zeros, and NumPy or Python values a rule may branch on in Python, as equinox's
+    checkpointed loop does on its residual flags) are fixed in the trace. ``put_back(outs)`` places
+    the outputs among the symbolic zeros the rule returned, as JAX expects the rule's outputs.
+    """
+    kept = [isinstance(a, (jax.Array, jax.core.Tracer)) for a in args]
+    zeros: dict = {}
+
+    def arrays_only(*arrays):
+        it = iter(arrays)
+        outs = bwd.call_wrapped(*(next(it) if k else a for a, k in zip(args, kept, strict=True)))
+        zeros.update({i: o for i, o in enumerate(outs) if _symbolic_zero(o)})
+        zeros["count"] = len(outs)
+        return [o for o in outs if not _symbolic_zero(o)]
+
+    with fresh_name_stack():
+        closed = jax.make_jaxpr(arrays_only)(*(a for a, k in zip(args, kept, strict=True) if k))
+
+    def put_back(outs):
+        it = iter(outs)
+        return [zeros[i] if i in zeros else next(it) for i in range(zeros["count"])]
+
+    return closed, kept, put_back
+
+
 _EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
 
 

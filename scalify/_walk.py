@@ -70,6 +70,12 @@ class Walk:
         """The values a (sub-)jaxpr returns, from those its outvars hold."""
         return outs
 
+    def backward(self, eqn, rule, forward: Callable):
+        """The backward rule of the rebuilt ``eqn`` (a WrappedFun JAX calls after the walk);
+        ``forward()`` is the forward rule's jaxpr JAX last asked for (None before it asks). The rule itself by default:
+        a transformation that changes values' precision decides whether it walks the rule."""
+        return rule
+
     def describe(self, x) -> str:
         """How an operand appears in error messages."""
         return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
@@ -167,6 +173,8 @@ class HigherOrder(NamedTuple):
         derivative: params of a custom derivative rule: first the lazy rule that returns
             ``(jaxpr, consts, *rest)`` (custom_jvp's JVP, custom_vjp's forward; its jaxpr is
             retraced when JAX asks for it), then what goes with it (custom_vjp's bwd, out_trees).
+        backward: the param holding a backward rule JAX calls after the walk (custom_vjp's
+            ``bwd``, a function of the residuals and cotangents): rebuilt by ``Walk.backward``.
         counts: params giving the sizes of the leading operand groups (consts, carries); the
             operands after them form the last group.
         options: ``options(params) -> dict``: the equation's options as keyword arguments of the
@@ -179,6 +187,7 @@ class HigherOrder(NamedTuple):
     closed: tuple[str, ...] = ()
     open: str | None = None
     derivative: tuple[str, ...] = ()
+    backward: str | None = None
     counts: tuple[str, ...] = ()
     options: Callable = lambda params: {}
     emit: Callable | None = None
@@ -225,7 +234,10 @@ HIGHER_ORDER: dict = {
     scan_p: HigherOrder(closed=("jaxpr",), counts=("num_consts", "num_carry"), options=_scan_options),
     custom_jvp_call_p: HigherOrder(closed=("call_jaxpr",), derivative=("jvp_jaxpr_fun",), counts=("num_consts",)),
     custom_vjp_call_p: HigherOrder(
-        closed=("call_jaxpr",), derivative=("fwd_jaxpr_thunk", "bwd", "out_trees"), counts=("num_consts",)
+        closed=("call_jaxpr",),
+        derivative=("fwd_jaxpr_thunk", "bwd", "out_trees"),
+        backward="bwd",
+        counts=("num_consts",),
     ),
     remat_p: HigherOrder(open="jaxpr", options=_checkpoint_options, emit=_emit_checkpoint),
 }
@@ -329,14 +341,21 @@ def has_sub_jaxprs(eqn) -> bool:
     return False
 
 
-def _retraced_thunk(walk: Walk, thunk):
-    """The lazy rule ``thunk`` with the jaxpr it returns retraced by ``walk``."""
+def _retraced_thunk(walk: Walk, thunk, handed_out: list):
+    """The lazy rule ``thunk`` with the jaxpr it returns retraced by ``walk``; the rule's own
+    jaxpr (a ClosedJaxpr) is appended to ``handed_out`` each time JAX asks for it."""
 
     @functools.cache
-    def rule(*args):
+    def retraced(*args):
         jaxpr, consts, *rest = thunk.call_wrapped(*args)
-        new = retrace(walk, ClosedJaxpr(jaxpr, consts))
-        return (new.jaxpr, new.consts, *rest)
+        original = ClosedJaxpr(jaxpr, consts)
+        new = retrace(walk, original)
+        return original, (new.jaxpr, new.consts, *rest)
+
+    def rule(*args):
+        original, out = retraced(*args)
+        handed_out.append(original)
+        return out
 
     return wrap_init(rule, thunk)
 
@@ -355,5 +374,10 @@ def rebuild(walk: Walk, eqn, invals) -> list:
     new = [walked(j) for j in jaxprs(eqn)]
     params = with_jaxprs(eqn, new)
     if spec.derivative:
-        params[spec.derivative[0]] = _retraced_thunk(walk, params[spec.derivative[0]])
+        handed_out: list = []
+        params[spec.derivative[0]] = _retraced_thunk(walk, params[spec.derivative[0]], handed_out)
+        if spec.backward is not None:
+            params[spec.backward] = walk.backward(
+                eqn, params[spec.backward], lambda: handed_out[-1] if handed_out else None
+            )
     return bind_params(eqn.primitive, invals, params)

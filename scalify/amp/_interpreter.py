@@ -144,6 +144,39 @@ class _Amp(_walk.Walk):
         self._env.record(eqn, sources)
         return outs
 
+    def backward(self, eqn, rule, forward):
+        """A ``custom_vjp``'s backward rule, walked under this walk's policy when JAX calls it.
+
+        Under a recipe (a policy that reads sources) the rule's contractions run under the recipe
+        as those of the walked program do: the contractions JAX's transposition emitted inside it
+        (a rule that calls ``jax.vjp``, as equinox's checkpointed loops do) as the backward GEMMs of
+        their forward partners, the others as forward GEMMs. A dtype policy keeps the rule as the
+        program wrote it, in the program's precision (a backward rule states its own numerics).
+        """
+        if not self.ctx.tracks_sources:
+            return rule
+
+        def walked(*args):
+            closed, kept, put_back = jc.custom_vjp_bwd_jaxpr(rule, args)
+            sources = self._residual_sources(eqn, forward())
+            sources = [*sources, *(_sources.MANY,) * (len(args) - len(sources))]
+            inputs = _sources.canonical(s for s, k in zip(sources, kept, strict=True) if k)
+            walk = _Amp(self.ctx.for_one_call(closed), self.scopes, {closed.jaxpr: inputs})
+            arrays = [a for a, k in zip(args, kept, strict=True) if k]
+            return put_back(_walk.eval_closed(walk, closed, arrays))
+
+        return jc.wrap_init(walked, rule)
+
+    def _residual_sources(self, eqn, fwd) -> list:
+        """The sources of the residuals the forward rule ``fwd`` (a ClosedJaxpr of the primals)
+        hands the backward rule: computed ones from its outputs, forwarded ones from its inputs."""
+        if fwd is None or self.sources is None:
+            return []
+        _, _, input_fwds = eqn.params["out_trees"]()
+        primals = self._inputs(fwd.jaxpr)
+        computed = iter(_sources.results(fwd.jaxpr, primals))
+        return [next(computed) if f is None else primals[f] for f in input_fwds]
+
     def _sub_sources(self, eqn, sources) -> dict | None:
         """The sources of each sub-jaxpr's invars, from those of ``eqn``'s operands."""
         if sources is None:

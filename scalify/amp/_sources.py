@@ -14,7 +14,9 @@ one jnp helper called on differently-sourced but alike-patterned operands is wal
 A custom derivative rule's jaxpr (``custom_vjp``'s forward, ``custom_jvp``'s JVP) takes the
 primal operands first: they keep their sources. The JVP rule's tangent inputs are
 :data:`TANGENT`, and so is everything computed from one: JAX transposes that part of the rule for
-reverse mode, so it must stay linear (see ``scalify.amp._interpreter``).
+reverse mode, so it must stay linear (see ``scalify.amp._interpreter``). A ``custom_vjp``'s
+backward rule, which JAX calls after the walk, takes the residuals with the sources the forward
+rule gave them and the cotangents as :data:`MANY` (each mixes the batch and the parameters).
 """
 
 from __future__ import annotations
@@ -89,3 +91,12 @@ class Sources:
         """Each output of ``eqn`` takes the join of its counted operands' sources."""
         out = join(s for s, v in zip(sources, eqn.invars, strict=True) if _counts(v))
         self.env.update({v: out for v in eqn.outvars})
+
+
+def results(jaxpr, inputs: tuple) -> list:
+    """The sources of ``jaxpr``'s outvars when its invars have ``inputs``, without evaluating it
+    (a custom VJP's residuals, which its backward rule receives after the walk)."""
+    env = Sources(jaxpr, inputs)
+    for eqn in jaxpr.eqns:
+        env.record(eqn, env.of(eqn))
+    return [env.read(v) for v in jaxpr.outvars]

@@ -65,15 +65,66 @@ def test_a_custom_vjp_forward_rule_runs_under_the_recipe(weights_only):
     recipe's, bit for bit the layer's without the custom rule, and not float32's."""
     r = recipes.MXFP8.replace(weights_only=weights_only)
     loss = lambda layer: lambda w, x: jnp.sum(layer(w, x) ** 2)
-    value, grad = jax.value_and_grad(recipes.apply(loss(_vjp_layer), r))(W, X)
+    value = jax.value_and_grad(recipes.apply(loss(_vjp_layer), r))(W, X)[0]
     want = recipes.apply(loss(_plain_layer), r)(W, X)
     np.testing.assert_array_equal(value, want)
     assert float(value) != float(loss(_plain_layer)(W, X))
-    # The backward rule is the program's own (JAX calls it after the walk): its contractions keep
-    # the program's precision, on the recipe's forward output.
-    y = np.asarray(recipes.apply(_plain_layer, r)(W, X), np.float64)
-    d = 2 * y * (1 - y**2)
-    np.testing.assert_allclose(grad, X.T.astype(np.float64) @ d, rtol=1e-5, atol=1e-5 * np.abs(grad).max())
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+@pytest.mark.parametrize("name", ["MXFP8", "FLOAT8_TENSORWISE", "NVFP4"])
+def test_a_custom_vjp_backward_rule_runs_under_the_recipe(name, weights_only):
+    """JAX calls the backward rule after the walk; it is walked then. Its contractions, written by
+    hand (no forward partner), are the recipe's forward GEMMs on the rule's own operands: the
+    gradient is ``mm(d^T, x)^T``, ``mm(d, w^T)`` with ``d = 2 y (1 - y^2)`` on the recipe's forward
+    ``y`` and ``mm`` the recipe's matmul (to float32 summation order; in ``x^T d`` the operand
+    computed from one input, ``x``, is the weight, bound as the rhs: NVFP4 tiles it 16x16), and bit
+    for bit the gradient taken inside ``apply``. Before, the rule ran in float32 with the gradient
+    outside."""
+    r = getattr(recipes, name).replace(weights_only=weights_only)
+    loss = lambda w, x: jnp.sum(_vjp_layer(w, x) ** 2)
+    gw, gx = jax.grad(recipes.apply(loss, r), argnums=(0, 1))(W, X)
+    y = recipes.apply(_plain_layer, r)(W, X)
+    d = (2 * y) * (1 - y**2)
+    mm = recipes.apply(jnp.matmul, r)
+    for got, want in ((gw, mm(d.T, X).T), (gx, mm(d, W.T))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    inside = recipes.apply(jax.grad(loss, argnums=(0, 1)), r)(W, X)
+    np.testing.assert_array_equal(gw, inside[0])
+    np.testing.assert_array_equal(gx, inside[1])
+    want32 = jax.grad(loss, argnums=(0, 1))(W, X)
+    assert not np.allclose(gw, want32[0], rtol=1e-3) and not np.allclose(gx, want32[1], rtol=1e-3)
+
+
+@jax.custom_vjp
+def _recomputing_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+def _recomputing_fwd(w, x):
+    return _recomputing_layer(w, x), (w, x)
+
+
+def _recomputing_bwd(res, g):
+    # As equinox's checkpointed loops do: recompute the forward and differentiate it with jax.vjp.
+    return jax.vjp(_plain_layer, *res)[1](g)
+
+
+_recomputing_layer.defvjp(_recomputing_fwd, _recomputing_bwd)
+
+
+@pytest.mark.parametrize("name", ["MXFP8", "FLOAT8_TENSORWISE", "FLOAT8_ROWWISE"])
+def test_a_backward_rule_that_differentiates_its_forward_gets_the_backward_gemms(name):
+    """A backward rule that recomputes the forward and calls ``jax.vjp`` holds JAX's transposed
+    contractions: walked, they are the dgrad and wgrad GEMMs of the recomputed forward's recipe
+    (FLOAT8_TENSORWISE: ``dy`` in E5M2, not the forward's E4M3), so the gradient is the recipe's
+    gradient of the layer without the custom rule."""
+    r = getattr(recipes, name)
+    loss = lambda layer: lambda w, x: jnp.sum(layer(w, x) * X[:, :32])
+    got = jax.grad(recipes.apply(loss(_recomputing_layer), r), argnums=(0, 1))(W, X)
+    want = jax.grad(recipes.apply(loss(_plain_layer), r), argnums=(0, 1))(W, X)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.abs(w).max())
 
 
 @jax.custom_jvp

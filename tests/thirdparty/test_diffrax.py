@@ -247,10 +247,9 @@ def _recipe_case(name):
 @pytest.mark.parametrize("case_name", RECIPE_CASES)
 def test_grad_under_recipe(case_name, recipe_name, where):
     """The gradient under ``recipe.replace(weights_only=True)``, taken inside ``recipes.apply`` (a
-    training step's form: diffrax's adjoint's own backward rule runs under the recipe too) or
-    outside (``jax.grad(recipes.apply(loss))``: that rule, which JAX calls after the walk, keeps the
-    program's precision; the forward solve is the recipe's): finite, at a cosine with float32's
-    above the recipe's floor. ``weights_only``: a solver also contracts its stages with its
+    training step's form) or outside (``jax.grad(recipes.apply(loss))``: diffrax's adjoint's own
+    backward rule, which JAX calls after the walk, is walked then): finite, at a cosine with
+    float32's above the recipe's floor. ``weights_only``: a solver also contracts its stages with its
     tableau (Tsit5's 7 stages), no linear layer's GEMM, whose width no block fits."""
     case = _recipe_case(case_name)
     recipe = recipes.BUILTINS[recipe_name].replace(weights_only=True)
@@ -265,3 +264,24 @@ def test_grad_under_recipe(case_name, recipe_name, where):
     assert cos >= RECIPE_COSINE_FLOOR[4 if bits <= 4 else 8], f"{case.name} under {recipe_name}: cosine {cos:.4f}"
     # The recipe ran: a gradient equal to float32's would mean no contraction was quantized.
     assert not np.allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize(
+    "recipe_name",
+    ["float8_tensorwise", pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("nvfp4", marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize(
+    "case_name", ["neural_ode", *(pytest.param(c, marks=pytest.mark.slow) for c in RECIPE_CASES[1:])]
+)
+def test_grad_outside_apply_is_the_grad_inside(case_name, recipe_name):
+    """``jax.grad(recipes.apply(loss, r))`` equals ``recipes.apply(jax.grad(loss), r)`` bit for bit.
+    diffrax's adjoints are ``custom_vjp``s whose backward rule recomputes the solve's steps and
+    differentiates them with ``jax.vjp``; JAX calls that rule after the walk. Walked then, its
+    transposed contractions are the dgrad and wgrad GEMMs of the recomputed forward ones (under
+    FLOAT8_TENSORWISE ``dy`` in E5M2), as in the gradient taken inside. Before, the rule ran in the
+    program's precision: a gradient between the recipe's and float32's."""
+    case = _recipe_case(case_name)
+    recipe = recipes.BUILTINS[recipe_name].replace(weights_only=True)
+    inside = _flat(jax.jit(recipes.apply(jax.grad(case.loss), recipe))(case.params, case.batch))
+    outside = _flat(jax.jit(jax.grad(recipes.apply(case.loss, recipe)))(case.params, case.batch))
+    np.testing.assert_array_equal(outside, inside)
