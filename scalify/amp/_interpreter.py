@@ -159,6 +159,8 @@ class _Amp(_walk.Walk):
         def walked(*args):
             closed, kept, put_back = jc.custom_vjp_bwd_jaxpr(rule, args)
             sources = self._residual_sources(eqn, forward())
+            if len(sources) > len(args):  # residuals of another call of the rule: sources unknown
+                sources = []
             sources = [*sources, *(_sources.MANY,) * (len(args) - len(sources))]
             inputs = _sources.canonical(s for s, k in zip(sources, kept, strict=True) if k)
             walk = _Amp(self.ctx.for_one_call(closed), self.scopes, {closed.jaxpr: inputs})
@@ -172,9 +174,13 @@ class _Amp(_walk.Walk):
         hands the backward rule: computed ones from its outputs, forwarded ones from its inputs."""
         if fwd is None or self.sources is None:
             return []
-        _, _, input_fwds = eqn.params["out_trees"]()
+        *_, out_trees = _walk.derivative_rule(eqn)
+        _, _, input_fwds = out_trees()
         primals = self._inputs(fwd.jaxpr)
-        computed = iter(_sources.results(fwd.jaxpr, primals))
+        computed = _sources.results(fwd.jaxpr, primals)
+        if sum(f is None for f in input_fwds) > len(computed):  # not the rule's last call: unknown
+            return []
+        computed = iter(computed)
         return [next(computed) if f is None else primals[f] for f in input_fwds]
 
     def _sub_sources(self, eqn, sources) -> dict | None:
