@@ -223,14 +223,15 @@ def custom_vjp_bwd_jaxpr(bwd, args):
     checkpointed loop does on its residual flags) are fixed in the trace. ``put_back(outs)`` places
     the outputs among the symbolic zeros the rule returned, as JAX expects the rule's outputs.
     """
-    kept = [isinstance(a, (jax.Array, jax.core.Tracer)) for a in args]
-    zeros: dict = {}
+    kept = [isinstance(a, jax.Array) for a in args]  # tracers included
+    zeros: dict = {}  # output index -> the symbolic zero the rule returned there
+    count = []
 
     def arrays_only(*arrays):
         it = iter(arrays)
         outs = bwd.call_wrapped(*(next(it) if k else a for a, k in zip(args, kept, strict=True)))
         zeros.update({i: o for i, o in enumerate(outs) if _symbolic_zero(o)})
-        zeros["count"] = len(outs)
+        count.append(len(outs))
         return [o for o in outs if not _symbolic_zero(o)]
 
     with fresh_name_stack():
@@ -238,7 +239,7 @@ def custom_vjp_bwd_jaxpr(bwd, args):
 
     def put_back(outs):
         it = iter(outs)
-        return [zeros[i] if i in zeros else next(it) for i in range(zeros["count"])]
+        return [zeros[i] if i in zeros else next(it) for i in range(count[0])]
 
     return closed, kept, put_back
 

@@ -70,11 +70,11 @@ class Walk:
         """The values a (sub-)jaxpr returns, from those its outvars hold."""
         return outs
 
-    def backward(self, eqn, rule, forward: Callable):
-        """The backward rule of the rebuilt ``eqn`` (a WrappedFun JAX calls after the walk);
-        ``forward()`` is the forward rule's jaxpr JAX last asked for (None before it asks). The rule itself by default:
-        a transformation that changes values' precision decides whether it walks the rule."""
-        return rule
+    def backward(self, eqn, rule) -> tuple:
+        """``(new_rule, seen)`` for the backward rule ``rule`` of the rebuilt ``eqn`` (a
+        WrappedFun JAX calls after the walk); ``seen``, if not None, is called with the forward
+        rule's jaxpr each time JAX asks for it. By default the rule is kept as it is."""
+        return rule, None
 
     def describe(self, x) -> str:
         """How an operand appears in error messages."""
@@ -174,7 +174,7 @@ class HigherOrder(NamedTuple):
             ``(jaxpr, consts, *rest)`` (custom_jvp's JVP, custom_vjp's forward; its jaxpr is
             retraced when JAX asks for it), then what goes with it (custom_vjp's bwd, out_trees).
         backward: the param holding a backward rule JAX calls after the walk (custom_vjp's
-            ``bwd``, a function of the residuals and cotangents): rebuilt by ``Walk.backward``.
+            ``bwd``, a function of the residuals and cotangents): replaced by ``Walk.backward``.
         counts: params giving the sizes of the leading operand groups (consts, carries); the
             operands after them form the last group.
         options: ``options(params) -> dict``: the equation's options as keyword arguments of the
@@ -341,9 +341,9 @@ def has_sub_jaxprs(eqn) -> bool:
     return False
 
 
-def _retraced_thunk(walk: Walk, thunk, handed_out: list):
-    """The lazy rule ``thunk`` with the jaxpr it returns retraced by ``walk``; the rule's own
-    jaxpr (a ClosedJaxpr) is appended to ``handed_out`` each time JAX asks for it."""
+def _retraced_thunk(walk: Walk, thunk, seen: Callable | None):
+    """The lazy rule ``thunk`` with the jaxpr it returns retraced by ``walk``; ``seen``, if given,
+    is called with the rule's own jaxpr (a ClosedJaxpr) each time JAX asks for it."""
 
     @functools.cache
     def retraced(*args):
@@ -354,7 +354,8 @@ def _retraced_thunk(walk: Walk, thunk, handed_out: list):
 
     def rule(*args):
         original, out = retraced(*args)
-        handed_out.append(original)
+        if seen is not None:
+            seen(original)
         return out
 
     return wrap_init(rule, thunk)
@@ -374,10 +375,8 @@ def rebuild(walk: Walk, eqn, invals) -> list:
     new = [walked(j) for j in jaxprs(eqn)]
     params = with_jaxprs(eqn, new)
     if spec.derivative:
-        handed_out: list = []
-        params[spec.derivative[0]] = _retraced_thunk(walk, params[spec.derivative[0]], handed_out)
+        seen = None
         if spec.backward is not None:
-            params[spec.backward] = walk.backward(
-                eqn, params[spec.backward], lambda: handed_out[-1] if handed_out else None
-            )
+            params[spec.backward], seen = walk.backward(eqn, params[spec.backward])
+        params[spec.derivative[0]] = _retraced_thunk(walk, params[spec.derivative[0]], seen)
     return bind_params(eqn.primitive, invals, params)

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scalify import _jax_compat as jc
 from scalify import _walk
@@ -124,6 +125,8 @@ class _Amp(_walk.Walk):
             extra = len(jaxpr.invars) - len(primals)
             if extra == 0 or (extra > 0 and self.rule_of is jc.custom_jvp_call_p):
                 return (*primals, *(_sources.TANGENT,) * extra)
+            if extra < 0 and self.rule_of is jc.custom_vjp_call_p:  # without the closed-over values
+                return primals[-extra:]
         return (_sources.MANY,) * len(jaxpr.invars)
 
     def eval(self, jaxpr, consts, args) -> list:
@@ -144,44 +147,49 @@ class _Amp(_walk.Walk):
         self._env.record(eqn, sources)
         return outs
 
-    def backward(self, eqn, rule, forward):
+    def backward(self, eqn, rule) -> tuple:
         """A ``custom_vjp``'s backward rule, walked under this walk's policy when JAX calls it.
 
         Under a recipe (a policy that reads sources) the rule's contractions run under the recipe
         as those of the walked program do: the contractions JAX's transposition emitted inside it
-        (a rule that calls ``jax.vjp``, as equinox's checkpointed loops do) as the backward GEMMs of
-        their forward partners, the others as forward GEMMs. A dtype policy keeps the rule as the
-        program wrote it, in the program's precision (a backward rule states its own numerics).
+        (a rule that calls ``jax.vjp``, as equinox's checkpointed loops do) as the backward GEMMs
+        of their forward partners, the others as forward GEMMs. Its residuals keep the sources the
+        forward rule gave them, recorded when JAX asks for that rule and looked up by the
+        residuals' shapes (one rebuilt equation can serve several calls: a cached jit body); its
+        cotangents mix the batch and the parameters. amp's own policies keep the rule as the
+        program wrote it (a backward rule states its own numerics).
         """
-        if not self.ctx.tracks_sources:
-            return rule
+        if not self.ctx.tracks_sources or self.sources is None:
+            return rule, None
+        by_shapes: dict = {}  # the residuals' shapes -> their sources (None: calls disagreed)
+
+        def seen(fwd):
+            shapes, sources = self._residuals(eqn, fwd)
+            if by_shapes.setdefault(shapes, sources) != sources:
+                by_shapes[shapes] = None
 
         def walked(*args):
             closed, kept, put_back = jc.custom_vjp_bwd_jaxpr(rule, args)
-            sources = self._residual_sources(eqn, forward())
-            if len(sources) > len(args):  # residuals of another call of the rule: sources unknown
-                sources = []
-            sources = [*sources, *(_sources.MANY,) * (len(args) - len(sources))]
+            n_res = len(args) - len(eqn.outvars)
+            residuals = by_shapes.get(tuple(np.shape(a) for a in args[:n_res])) or (_sources.MANY,) * n_res
+            sources = (*residuals, *(_sources.MANY,) * len(eqn.outvars))
             inputs = _sources.canonical(s for s, k in zip(sources, kept, strict=True) if k)
             walk = _Amp(self.ctx.for_one_call(closed), self.scopes, {closed.jaxpr: inputs})
             arrays = [a for a, k in zip(args, kept, strict=True) if k]
             return put_back(_walk.eval_closed(walk, closed, arrays))
 
-        return jc.wrap_init(walked, rule)
+        return jc.wrap_init(walked, rule), seen
 
-    def _residual_sources(self, eqn, fwd) -> list:
-        """The sources of the residuals the forward rule ``fwd`` (a ClosedJaxpr of the primals)
-        hands the backward rule: computed ones from its outputs, forwarded ones from its inputs."""
-        if fwd is None or self.sources is None:
-            return []
+    def _residuals(self, eqn, fwd) -> tuple:
+        """The shapes and sources of the residuals the forward rule ``fwd`` hands the backward
+        rule, as JAX has just asked for ``fwd``: computed ones from its outputs, forwarded ones
+        from the call's operands (``input_fwds`` counts them all, closed-over values first)."""
         *_, out_trees = _walk.derivative_rule(eqn)
         _, _, input_fwds = out_trees()
-        primals = self._inputs(fwd.jaxpr)
-        computed = _sources.results(fwd.jaxpr, primals)
-        if sum(f is None for f in input_fwds) > len(computed):  # not the rule's last call: unknown
-            return []
-        computed = iter(computed)
-        return [next(computed) if f is None else primals[f] for f in input_fwds]
+        (operands,) = self.sources.values()
+        computed = zip(fwd.out_avals, _sources.results(fwd.jaxpr, self._inputs(fwd.jaxpr)), strict=True)
+        out = [next(computed) if f is None else (eqn.invars[f].aval, operands[f]) for f in input_fwds]
+        return tuple(tuple(a.shape) for a, _ in out), tuple(s for _, s in out)
 
     def _sub_sources(self, eqn, sources) -> dict | None:
         """The sources of each sub-jaxpr's invars, from those of ``eqn``'s operands."""

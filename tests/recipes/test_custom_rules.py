@@ -152,3 +152,72 @@ def test_a_custom_jvp_rule_with_tangent_contractions_is_differentiable(name):
     d = (1 - y**2) * X[:, :32].astype(np.float64)
     np.testing.assert_allclose(gw, X.T.astype(np.float64) @ d, rtol=1e-5, atol=1e-5 * np.abs(gw).max())
     np.testing.assert_allclose(gx, d @ W.T.astype(np.float64), rtol=1e-5, atol=1e-5 * np.abs(gx).max())
+
+
+def _outside_and_inside(loss, recipe, *args):
+    outside = jax.jit(jax.grad(recipes.apply(loss, recipe), argnums=(0, 1)))(*args)
+    inside = jax.jit(recipes.apply(jax.grad(loss, argnums=(0, 1)), recipe))(*args)
+    return outside, inside
+
+
+def test_a_backward_rule_of_a_custom_vjp_closing_over_a_traced_value():
+    """A ``custom_vjp`` defined inside a jitted function over one of its traced values: the call
+    takes that value as a closed-over operand before the primals, and JAX counts the forward rule's
+    passed-through residuals (here ``w`` and ``x``) over all operands. (The first version of the
+    backward rule's walk indexed the primals alone: IndexError.)"""
+
+    def step(w, x, s):
+        @jax.custom_vjp
+        def f(w, x):
+            return jnp.tanh(x @ w) * s
+
+        def f_bwd(res, g):
+            w, x = res
+            d = g * s * (1 - jnp.tanh(x @ w) ** 2)
+            return x.T @ d, d @ w.T
+
+        f.defvjp(lambda w, x: (f(w, x), (w, x)), f_bwd)
+        loss = lambda w, x: jnp.sum(f(w, x) ** 2)
+        return _outside_and_inside(loss, recipes.MXFP8.replace(weights_only=True), w, x)
+
+    outside, inside = jax.jit(step)(W, X, 2.0)
+    for a, b in zip(outside, inside, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@jax.custom_vjp
+def _product(a, b):
+    return b @ a
+
+
+def _product_fwd(a, b):
+    # Residuals depend on which operands are differentiated (symbolic zeros).
+    residuals = (a.value.T, b.value.T) if a.perturbed and b.perturbed else (b.value.T,) if a.perturbed else (a.value.T,)
+    return b.value @ a.value, (residuals, a.perturbed, b.perturbed)
+
+
+def _product_bwd(saved, g):
+    residuals, da, db = saved
+    if da and db:
+        a_t, b_t = residuals
+        return b_t @ g, g @ a_t
+    return (residuals[0] @ g, None) if da else (None, g @ residuals[0])
+
+
+_product.defvjp(_product_fwd, _product_bwd, symbolic_zeros=True)
+_S = _data((64, 64), 5, 0.2)
+
+
+@pytest.mark.parametrize("name", ["FLOAT8_TENSORWISE", "NVFP4"])
+def test_one_jitted_rule_called_twice_with_other_residuals(name):
+    """One jitted body holding a ``custom_vjp`` (walked once, its rebuilt equation cached) called
+    twice, differentiated in ``a`` then in ``b``: its residuals differ between the calls. Each
+    backward call gets the residual sources of its own forward call. (The first version gave
+    both the last forward call's: the gradient outside differed from the one inside.)"""
+    inner = jax.jit(lambda a, b: jnp.tanh(_product(a, b)))
+    loss = lambda w, x: jnp.sum(inner(w, _S) ** 2) + jnp.sum(inner(_S, x) ** 2)
+    outside, inside = _outside_and_inside(
+        loss, getattr(recipes, name).replace(weights_only=True), _S.T, _data((64, 64), 1)
+    )
+    for a, b in zip(outside, inside, strict=True):
+        np.testing.assert_array_equal(a, b)
