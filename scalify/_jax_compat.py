@@ -198,20 +198,17 @@ def custom_vjp_fwd_jaxpr(fwd_rule, out_trees, nonzeros):
     return fwd_jaxpr, consts, res_count, list(input_fwds)
 
 
+def _symbolic_zero(x) -> bool:
+    return x is None or isinstance(x, (ad.Zero, jax.custom_derivatives.SymbolicZero))
+
+
 def custom_vjp_bwd(bwd, residuals, cotangents, in_avals):
     """Call a ``custom_vjp_call``'s ``bwd`` rule; symbolic zeros and ``None`` become zero arrays."""
     outs = bwd.call_wrapped(*residuals, *cotangents)
-    res = []
-    for c, aval in zip(outs, in_avals, strict=True):
-        if c is None or isinstance(c, (ad.Zero, jax.custom_derivatives.SymbolicZero)):
-            res.append(jax.numpy.zeros(aval.shape, aval.dtype))
-        else:
-            res.append(c)
-    return res
-
-
-def _symbolic_zero(x) -> bool:
-    return x is None or isinstance(x, (ad.Zero, jax.custom_derivatives.SymbolicZero))
+    return [
+        jax.numpy.zeros(aval.shape, aval.dtype) if _symbolic_zero(c) else c
+        for c, aval in zip(outs, in_avals, strict=True)
+    ]
 
 
 def custom_vjp_bwd_jaxpr(bwd, args):

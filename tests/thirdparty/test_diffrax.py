@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_update, cosine, flat_values, run_loss
 
 from scalify import recipes
 
@@ -230,10 +230,6 @@ RECIPE_COSINE_FLOOR = {8: 0.95, 4: 0.8}
 RECIPE_CASES = ("neural_ode", "backsolve", "cnf", "neural_sde")
 
 
-def _flat(tree):
-    return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)])
-
-
 @functools.cache
 def _recipe_case(name):
     return CASES[name]()
@@ -256,10 +252,10 @@ def test_grad_under_recipe(case_name, recipe_name, where):
     grad = (
         recipes.apply(jax.grad(case.loss), recipe) if where == "inside" else jax.grad(recipes.apply(case.loss, recipe))
     )
-    expected = _flat(jax.jit(jax.grad(case.loss))(case.params, case.batch))
-    got = _flat(jax.jit(grad)(case.params, case.batch))
+    expected = flat_values(jax.jit(jax.grad(case.loss))(case.params, case.batch))
+    got = flat_values(jax.jit(grad)(case.params, case.batch))
     assert np.isfinite(got).all(), f"{case.name} under {recipe_name}: NaN/Inf in the gradient"
-    cos = float(got @ expected / (np.linalg.norm(got) * np.linalg.norm(expected)))
+    cos = cosine(got, expected)
     bits = min(recipe.format_of(role).element.bits for role in recipes.ROLES)
     assert cos >= RECIPE_COSINE_FLOOR[4 if bits <= 4 else 8], f"{case.name} under {recipe_name}: cosine {cos:.4f}"
     # The recipe ran: a gradient equal to float32's would mean no contraction was quantized.
@@ -282,6 +278,6 @@ def test_grad_outside_apply_is_the_grad_inside(case_name, recipe_name):
     program's precision: a gradient between the recipe's and float32's."""
     case = _recipe_case(case_name)
     recipe = recipes.BUILTINS[recipe_name].replace(weights_only=True)
-    inside = _flat(jax.jit(recipes.apply(jax.grad(case.loss), recipe))(case.params, case.batch))
-    outside = _flat(jax.jit(jax.grad(recipes.apply(case.loss, recipe)))(case.params, case.batch))
+    inside = flat_values(jax.jit(recipes.apply(jax.grad(case.loss), recipe))(case.params, case.batch))
+    outside = flat_values(jax.jit(jax.grad(recipes.apply(case.loss, recipe)))(case.params, case.batch))
     np.testing.assert_array_equal(outside, inside)
