@@ -7,6 +7,7 @@ Every format maps a float array to ``(data, scale)`` with ``value = decode(data)
     y = qf.MXFP8.dequantize(data, scale)
 """
 
+from qformats._blockwise_float8 import BlockwiseFloat8
 from qformats._builtins import (
     BF16,
     FP8_E4M3,
@@ -54,6 +55,7 @@ __all__ = [
     "NVFP4",
     "AlongAxis",
     "Blocked",
+    "BlockwiseFloat8",
     "FloatElement",
     "IntElement",
     "Layout",

@@ -133,7 +133,9 @@ def log2_f32(x):
 def round_quotient(a, b, q):
     """The correctly rounded float32 quotient ``a / b`` (IEEE round to nearest even, subnormal and
     overflowing quotients included) for normal ``a`` and ``b``, given any float32 ``q`` within 2
-    units in the last place of it; where ``a`` or ``b`` is zero, subnormal, Inf or NaN, ``q``.
+    units in the last place of it (counted in ``q``'s own binade: where that is the binade above the
+    quotient's, up to 4.5 of the quotient's units); where ``a`` or ``b`` is zero, subnormal, Inf or
+    NaN, ``q``.
 
     XLA divides float32 on CPU as IEEE does, but not everywhere: on NVIDIA GPUs it emits PTX
     ``div.full.f32``, specified to within 2 ulps; a quotient on an exact rounding tie of a coarser
@@ -143,8 +145,8 @@ def round_quotient(a, b, q):
     With ``|a| = A 2**ea``, ``|b| = B 2**eb`` (``A``, ``B`` in ``[2**23, 2**24)``) the result's ulp
     is ``2**e``, ``e = max(ea - eb - 23 - [A < B], -149)``, and ``|a / b| = u 2**e`` with
     ``2uB = A 2**s``, ``s = ea - eb - e + 1 <= 25``. ``q``'s significand, shifted to the ulp
-    ``2**e``, is an integer ``n0`` within 2.5 of ``u``, so ``D = A 2**s - (2 n0 + 1) B = 2B (u - n0 -
-    1/2)`` lies in ``[-6B, 4B]`` and is exact in wrapped 32-bit arithmetic. ``round(u) = n0 + 1 +
+    ``2**e``, is an integer ``n0`` within 5 of ``u``, so ``D = A 2**s - (2 n0 + 1) B = 2B (u - n0 -
+    1/2)`` lies in ``[-11B, 9B]`` and is exact in wrapped 32-bit arithmetic. ``round(u) = n0 + 1 +
     floor(D / 2B)``, a tie (``D`` a multiple of ``2B``) to the even one. ``u < 1/4`` (``s < 0``)
     rounds to zero, and a biased exponent above 254 is Inf.
     """
@@ -164,7 +166,7 @@ def round_quotient(a, b, q):
     d = (sig_a.astype(u32) << s.clip(0, 31).astype(u32)) - (2 * n0 + 1).astype(u32) * sig_b.astype(u32)
     d = lax.bitcast_convert_type(d, jnp.int32)
     two_b = sig_b << 1
-    k = sum((d >= j * two_b).astype(jnp.int32) for j in (-2, -1, 0, 1, 2)) - 2
+    k = sum((d >= j * two_b).astype(jnp.int32) for j in range(-5, 6)) - 5
     tie = d == (k - 1) * two_b
     n = n0 + k - (tie & ((n0 + k) & 1 == 1)).astype(jnp.int32)
     mag = ((ulp_field - 1) << F32_MANT_BITS) + n

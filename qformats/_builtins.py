@@ -40,8 +40,9 @@ BUILTINS = {
 for _fmt, _aliases in BUILTINS.items():
     register_format(_fmt, aliases=_aliases)
 
-# Operand formats of the float8 training recipes (torchao's convention): found by name, not listed,
+# Operand formats of the float8 training recipes (torchao's and TE's conventions): found by name, not listed,
 # because they are GEMM-operand codecs for scalify.recipes rather than formats to carry a program in.
+from qformats._blockwise_float8 import FP8_E4M3_BLOCK128, FP8_E4M3_BLOCK128_POW2  # noqa: E402
 from qformats._float8_training import (  # noqa: E402
     FP8_E4M3_ROWWISE,
     FP8_E4M3_TENSORWISE,
@@ -49,7 +50,14 @@ from qformats._float8_training import (  # noqa: E402
     FP8_E5M2_TENSORWISE,
 )
 
-for _fmt in (FP8_E4M3_TENSORWISE, FP8_E5M2_TENSORWISE, FP8_E4M3_ROWWISE, FP8_E5M2_ROWWISE):
+for _fmt in (
+    FP8_E4M3_TENSORWISE,
+    FP8_E5M2_TENSORWISE,
+    FP8_E4M3_ROWWISE,
+    FP8_E5M2_ROWWISE,
+    FP8_E4M3_BLOCK128,
+    FP8_E4M3_BLOCK128_POW2,
+):
     register_format(_fmt, listed=False)
 
 # Storage layouts of published checkpoints (qformats.read_checkpoint): found by name, not listed.

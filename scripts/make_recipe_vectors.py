@@ -2,8 +2,10 @@
 
 Writes ``tests/recipes/vectors/<recipe>_<M>x<K>x<N>.npz`` for a bias-free linear layer ``y = x @ w.T``
 (x [M, K], w [N, K], upstream gradient dy [M, N], all float32) run through torchao's emulated training
-paths on CPU: MX training (MXFP8 / MXFP4, FLOOR and RCEIL scales) and float8 training (tensorwise,
-tensorwise with power-of-2 scales, rowwise, rowwise_with_gw_hp).
+paths on CPU: MX training (MXFP8 / MXFP4, FLOOR and RCEIL scales), float8 training (tensorwise,
+tensorwise with power-of-2 scales, rowwise, rowwise_with_gw_hp) and blockwise float8 training (DeepSeek-V3's
+recipe: its autograd function with torchao's PyTorch reference quantizers in place of its GPU-only Triton
+kernels, see ``capture_blockwise``).
 
 torch and torchao are NOT dependencies of this repository; run the script in its own venv::
 
@@ -49,6 +51,8 @@ import numpy as np
 import torch
 import torchao
 import torchao.float8.float8_linear as f8_linear
+import torchao.prototype.blockwise_fp8_training.kernels as bw_kernels
+import torchao.prototype.blockwise_fp8_training.linear as bw_linear
 import torchao.prototype.mx_formats.mx_tensor as mx_tensor
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -395,6 +399,140 @@ def run_f8(x, w, dy, recipe: str, pow2: bool = False):
     return dict(y=y, dx=dx, dw=dw), arrays, meta
 
 
+# ---------------------------------------------------------------- blockwise float8 (DeepSeek-V3)
+
+
+def capture_blockwise(calls: list, deq: dict):
+    """Run torchao's ``fp8_blockwise_mm`` autograd function on CPU: its five Triton quantizers are
+    swapped for torchao's own PyTorch reference quantizers (``kernels.torch_blockwise_scale_*``,
+    the same arithmetic: ``s = float32(448 / float64(max(amax, 1e-12)))``, ``q = fp8(clamp(x * s))``,
+    scale ``1 / s``), each call recorded, and its GEMM for one float32 matmul of the recorded
+    operands' dequantized values (``data.float() * scale`` per block). The role each tensor plays,
+    and which quantizer it gets, is torchao's own code in ``fp8_blockwise_mm.forward/backward``."""
+
+    def record(name, fn):
+        def wrapped(t, block_size=128, *rest, **kw):
+            data, scale = fn(t)
+            if name.startswith("weight"):
+                full = scale.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+            elif name == "act_quant_rhs":  # 128 x 1 blocks along rows, scale [M/128, K]
+                full = scale.repeat_interleave(block_size, 0)
+            else:  # 1 x 128 blocks along the last axis, scale [rows, cols/128]
+                full = scale.repeat_interleave(block_size, 1)
+            deq[id(data)] = data.float() * full
+            calls.append(dict(name=name, input=t.detach().clone(), data=data, scale=scale))
+            return data, scale
+
+        return wrapped
+
+    ref = bw_kernels
+
+    def transposed(fn):
+        return lambda t: fn(t.t().contiguous())
+
+    refs = {
+        "triton_fp8_blockwise_act_quant_lhs": record("act_quant_lhs", ref.torch_blockwise_scale_act_quant_lhs),
+        "triton_fp8_blockwise_act_quant_transposed_lhs": record(
+            "act_quant_transposed_lhs", transposed(ref.torch_blockwise_scale_act_quant_lhs)
+        ),
+        "triton_fp8_blockwise_act_quant_rhs": record("act_quant_rhs", ref.torch_blockwise_scale_act_quant_rhs),
+        "triton_fp8_blockwise_weight_quant_rhs": record("weight_quant_rhs", ref.torch_blockwise_scale_weight_quant),
+        "triton_fp8_blockwise_weight_quant_transposed_rhs": record(
+            "weight_quant_transposed_rhs", transposed(ref.torch_blockwise_scale_weight_quant)
+        ),
+    }
+
+    def run_mm(*, mat_a, mat_b, out_dtype, **_):
+        return (deq[id(mat_a)] @ deq[id(mat_b)]).to(out_dtype)
+
+    stack = contextlib.ExitStack()
+    for name, fn in refs.items():
+        stack.enter_context(patched(bw_linear, name, lambda orig, fn=fn: fn))
+    stack.enter_context(patched(bw_linear, "_run_blockwise_mm", lambda orig: run_mm))
+    return stack
+
+
+def run_blockwise(x, w, dy):
+    calls: list = []
+    deq: dict = {}
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with capture_blockwise(calls, deq):
+        y = bw_linear.fp8_blockwise_mm.apply(xr, wr, 128, torch.float32, False)
+        y.backward(dy)
+    y, dx, dw = y.detach(), xr.grad.detach(), wr.grad.detach()
+    specs = [  # role, torchao quantizer, operand expr, reference, block description
+        ("fwd_lhs", "act_quant_lhs", "x", x, "1x128 along K"),
+        ("fwd_rhs", "weight_quant_transposed_rhs", "w.T", w.t(), "128x128 tiles"),
+        ("dgrad_lhs", "act_quant_lhs", "dy", dy, "1x128 along N"),
+        ("dgrad_rhs", "weight_quant_rhs", "w", w, "128x128 tiles"),
+        ("wgrad_lhs", "act_quant_transposed_lhs", "dy.T", dy.t(), "1x128 along M"),
+        ("wgrad_rhs", "act_quant_rhs", "x", x, "128x1 along M"),
+    ]
+    assert [c["name"] for c in calls] == [s[1] for s in specs], [c["name"] for c in calls]
+    arrays, role_meta, deqs = {}, {}, {}
+    for (role, qname, expr, ref, blocks), c in zip(specs, calls, strict=True):
+        # the transposed quantizers were given the untransposed tensor; the recorded data is of expr
+        given = ref.t() if qname.endswith("transposed_lhs") or qname.endswith("transposed_rhs") else ref
+        assert torch.equal(c["input"], given), (role, expr)
+        data = c["data"].view(torch.uint8).contiguous().numpy()
+        scale = c["scale"].contiguous().numpy().astype(np.float32)
+        assert data.shape == tuple(ref.shape), (role, data.shape)
+        arrays[f"{role}_data"], arrays[f"{role}_scale"] = data, scale
+        deqs[role] = deq[id(c["data"])]
+        role_meta[role] = dict(
+            operand=expr,
+            stored_shape=list(ref.shape),
+            blocks=blocks,
+            scale_shape=list(scale.shape),
+            elem_dtype="float8_e4m3fn (bits)",
+            scale_dtype="float32 (1 / s: the multiplier)",
+            torchao_kernel=f"torchao.prototype.blockwise_fp8_training.kernels.triton_fp8_blockwise_{qname}",
+            reference_used=(
+                "kernels.torch_blockwise_scale_"
+                + {"act_quant_lhs": "act_quant_lhs(t)", "act_quant_transposed_lhs": "act_quant_lhs(t.t().contiguous())",
+                   "act_quant_rhs": "act_quant_rhs(t)", "weight_quant_rhs": "weight_quant(t)",
+                   "weight_quant_transposed_rhs": "weight_quant(t.t().contiguous())"}[qname]
+            ),
+        )  # fmt: skip
+    check = dict(
+        y_max_abs_diff=_maxdiff(deqs["fwd_lhs"] @ deqs["fwd_rhs"], y),
+        dx_max_abs_diff=_maxdiff(deqs["dgrad_lhs"] @ deqs["dgrad_rhs"], dx),
+        dw_max_abs_diff=_maxdiff(deqs["wgrad_lhs"] @ deqs["wgrad_rhs"], dw),
+    )
+    meta = dict(
+        family="blockwise",
+        end_to_end_call=(
+            "y = torchao.prototype.blockwise_fp8_training.linear.fp8_blockwise_mm.apply(x, w, 128, torch.float32, "
+            "False); y.backward(dy)  # the autograd function of Float8BlockwiseLinear, whose Triton quantizers "
+            "need a GPU: each is replaced by torchao's PyTorch reference of it (kernels.torch_blockwise_scale_*) "
+            "and the blockwise scaled GEMM by a float32 matmul of the dequantized operands"
+        ),
+        roles=role_meta,
+        gemms=dict(
+            y="y = deq(fwd_lhs) @ deq(fwd_rhs)  (fwd_rhs stored as w.T [K, N])",
+            dx="dx = deq(dgrad_lhs) @ deq(dgrad_rhs)  (dgrad_rhs stored as w [N, K])",
+            dw="dw = deq(wgrad_lhs) @ deq(wgrad_rhs)  (wgrad_lhs stored as dy.T [N, M], wgrad_rhs as x [M, K])",
+        ),
+        scale_convention=(
+            "s = float32(fp8_max / float64(clamp(amax, min=1e-12))) per block; bits = to_fp8(clamp(x_f32 * s, "
+            "-fp8_max, fp8_max)) (RNE); stored scale = 1 / s (float32); dequantize: bits.float() * scale"
+        ),
+        check=check,
+    )
+    return dict(y=y, dx=dx, dw=dw), arrays, meta
+
+
+def plant_blockwise(x, w, dy):
+    """Cases of the 128-blocks: a whole zero block of x along K, a block whose amax is below the
+    1e-12 clamp (the scale comes from the clamp), a weight tile of tiny values, and a 128-block of
+    dy along M that is all zero (rows 128..255 of one column)."""
+    x[20, 128:256] = 0.0
+    x[21, 0:128] = torch.linspace(-3e-13, 3e-13, 128)
+    w[0:128, 128:256] *= 1e-6
+    dy[128:256, 3] = 0.0
+    return x, w, dy
+
+
 # ---------------------------------------------------------------- main
 
 RECIPES = {
@@ -407,8 +545,14 @@ RECIPES = {
     "float8_tensorwise_pow2": lambda x, w, dy: run_f8(x, w, dy, "tensorwise", pow2=True),
     "float8_rowwise": lambda x, w, dy: run_f8(x, w, dy, "rowwise"),
     "float8_rowwise_with_gw_hp": lambda x, w, dy: run_f8(x, w, dy, "rowwise_with_gw_hp"),
+    "float8_blockwise": run_blockwise,
 }
-CASES = [((64, 128, 96), list(RECIPES)), ((128, 256, 160), ["mxfp8_rceil"])]
+BLOCKWISE = ("float8_blockwise",)  # every dimension a multiple of 128
+CASES = [
+    ((64, 128, 96), [r for r in RECIPES if r not in BLOCKWISE]),
+    ((128, 256, 160), ["mxfp8_rceil"]),
+    ((256, 256, 128), list(BLOCKWISE)),
+]
 INPUT_KINDS = ("edges", "normal", "rows", "bf16", "student_t")
 
 
@@ -428,6 +572,8 @@ def main() -> None:
         for kind in args.inputs:
             torch.manual_seed(seed)
             x, w, dy = make_inputs(m, k, n, seed, kind)
+            if kind == "edges" and set(names) <= set(BLOCKWISE):
+                x, w, dy = plant_blockwise(x, w, dy)
             for name in names:
                 if args.only and name not in args.only:
                     continue

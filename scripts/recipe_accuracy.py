@@ -3,6 +3,7 @@
     python scripts/recipe_accuracy.py [--steps 500] [--seeds 0,1,2] [--json /tmp/recipe_accuracy.json]
     python scripts/recipe_accuracy.py --ablation-seeds 0,1,2  # the NVFP4 ablations on three seeds
     python scripts/recipe_accuracy.py --render-only          # rewrite the doc from the JSON, no training
+    python scripts/recipe_accuracy.py --blockwise            # the blockwise recipes, on a wider transformer
 
 Trains ``examples.train``'s transformer in float32 (the baseline) and under every built-in recipe
 (``recipes.apply(loss, recipe)`` on the unchanged float32 model, as ``python -m examples.train --recipe NAME``),
@@ -43,6 +44,29 @@ ABLATION_NAMES = {
 }
 
 
+# The blockwise recipes quantize in blocks of 128 along every GEMM's summed axis, which the transformer's
+# d_model of 64 does not hold. ``--blockwise`` trains them on the same transformer made wider (WIDE),
+# with weights_only=True: attention's products of two activations (head dimension 64) stay in float32,
+# as torchao's and Transformer Engine's linear-layer swaps leave them. Float32 runs on that model too.
+WIDE = {"d_model": 128, "d_ff": 512}
+WIDE_RECIPES = ("float8_blockwise", "float8_blockwise_pow2")
+BLOCKWISE_JSON = "/tmp/recipe_accuracy_blockwise.json"
+BLOCKWISE_DOC = ROOT / "docs" / "recipes_accuracy_blockwise.md"
+BLOCKWISE_PLOT = ROOT / "docs" / "recipes_blockwise_loss.png"
+
+
+def _linear_only():
+    from scalify import recipes
+
+    return {f"{n}_linear": recipes.BUILTINS[n].replace(name=f"{n}_linear", weights_only=True) for n in WIDE_RECIPES}
+
+
+def _descriptions():
+    """How each extra (non-built-in) recipe name is built, for the mechanism column and the docs."""
+    linear = {f"{n}_linear": f"{n.upper()}.replace(weights_only=True)" for n in WIDE_RECIPES}
+    return {**ABLATION_NAMES, **linear}
+
+
 def _ablations():
     from scalify import recipes
 
@@ -69,13 +93,14 @@ def _install_ablation_modes():
         return
     import jax.numpy as jnp
 
-    extra = _ablations()
+    extra = {**_ablations(), **_linear_only()}
+    descriptions = _descriptions()
     original = loop.get_mode
 
     def get_mode(name):
         if name.startswith(loop.RECIPE_PREFIX) and name[len(loop.RECIPE_PREFIX) :] in extra:
             recipe = extra[name[len(loop.RECIPE_PREFIX) :]]
-            mech = f"recipes.apply(loss, {ABLATION_NAMES[recipe.name]}) on the unchanged float32 model"
+            mech = f"recipes.apply(loss, {descriptions[recipe.name]}) on the unchanged float32 model"
             return loop.Mode(name, jnp.float32, mech, quantize=recipe)
         return original(name)
 
@@ -83,10 +108,12 @@ def _install_ablation_modes():
     loop.get_mode = get_mode
 
 
-def _plan(seeds, ablation_seeds, only=None):
+def _plan(seeds, ablation_seeds, only=None, blockwise=False):
     from scalify import recipes
 
-    names = sorted(recipes.BUILTINS)
+    if blockwise:
+        return [(n, s) for s in seeds for n in ("fp32", *_linear_only())]
+    names = [n for n in sorted(recipes.BUILTINS) if n not in WIDE_RECIPES]
     if only:
         names = [n for n in names if n in only]
     plan = []
@@ -146,10 +173,11 @@ def run(args):
     meta = data["meta"]
     meta.setdefault("machine", _machine())
     meta.setdefault("hparams", dict(loop.GPT_HPARAMS))
-    meta.setdefault("gpt", attrs.asdict(models.GPTConfig()))
+    hparams = {"gpt": WIDE} if args.blockwise else None
+    meta.setdefault("gpt", attrs.asdict(models.GPTConfig(**(hparams or {}).get("gpt", {}))))
     meta.setdefault("sessions", []).append({"start": _now()})
     _save(args.json, data)
-    plan = _plan(args.seeds, args.ablation_seeds, args.only)
+    plan = _plan(args.seeds, args.ablation_seeds, args.only, args.blockwise)
     for name, seed in plan:
         key = _key(name, seed, args.steps)
         if key in data["runs"]:
@@ -159,7 +187,7 @@ def run(args):
             break
         fmt = "fp32" if name == "fp32" else loop.recipe_mode(name)
         t0 = time.perf_counter()
-        r = train(model=MODEL, fmt=fmt, steps=args.steps, seed=seed)
+        r = train(model=MODEL, fmt=fmt, steps=args.steps, seed=seed, hparams=hparams)
         wall = time.perf_counter() - t0
         rec = r.metrics()
         rec.update(name=name, wall_s=round(wall, 2), history=r.history, finished=_now())
@@ -207,7 +235,7 @@ def _smooth(h, k):
     return np.array([np.nanmean(h[max(0, i - k + 1) : i + 1]) for i in range(len(h))])
 
 
-def plot(by, path, steps):
+def plot(by, path, steps, names):
     try:
         import matplotlib
 
@@ -216,9 +244,7 @@ def plot(by, path, steps):
     except ImportError:
         print("matplotlib is not installed; no plot", file=sys.stderr)
         return False
-    from scalify import recipes
-
-    names = ["fp32", *[n for n in sorted(recipes.BUILTINS) if n in by]]
+    names = ["fp32", *[n for n in names if n in by]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     k = max(1, steps // 25)
     start = steps // 4
@@ -250,7 +276,45 @@ def plot(by, path, steps):
     return True
 
 
-def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
+def _results_table(by, names, fp32_ref, f_mean, f_sd, f_n):
+    """The results table (float32, then ``names``) and the sentence that sums it up, as lines."""
+    lines = [
+        "| recipe | seeds | val loss | train loss (last 10 steps) | gap to fp32 | within 2% | s / run (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    gaps = {}
+    for name in ["fp32", *names]:
+        recs = by.get(name, [])
+        if not recs:
+            lines.append(f"| {name} | 0 | not run | | | | |")
+            continue
+        m, s, n = _stats([r["val_loss"] for r in recs])
+        tm, ts, tn = _stats([r["train_loss"] for r in recs])
+        secs = np.mean([r["wall_s"] for r in recs])
+        seed_list = ",".join(str(r["seed"]) for r in recs)
+        if name == "fp32":
+            gap, within = "—", "—"
+        else:
+            ref = fp32_ref(recs)
+            g = 100.0 * (m - ref) / ref
+            gaps[name] = g
+            gap, within = f"{g:+.2f}%", ("yes" if g <= TOLERANCE_PCT else "**no**")
+        lines.append(
+            f"| {name} | {seed_list} | {_fmt_ms(m, s, n)} | {_fmt_ms(tm, ts, tn)} | {gap} | {within} | {secs:.0f} |"
+        )
+    ok = [f"{n} ({g:+.2f}%)" for n, g in gaps.items() if g <= TOLERANCE_PCT]
+    bad = [f"{n} ({g:+.2f}%)" for n, g in gaps.items() if g > TOLERANCE_PCT]
+    return [
+        *lines,
+        "",
+        f"Within {TOLERANCE_PCT:g}% of float32: {', '.join(ok) or 'none'}. "
+        f"Not within: {', '.join(bad) or 'none'}. "
+        f"Float32's own seed-to-seed standard deviation is {100 * f_sd / f_mean:.2f}% of its mean "
+        f"({f_n} seeds), the scale on which gaps below it are noise.",
+    ]
+
+
+def render(data, steps, doc_path, plot_path, seeds, ablation_seeds, blockwise=False):
     from scalify import recipes
 
     by = _runs_by_name(data, steps)
@@ -265,13 +329,34 @@ def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
         common = [fp32_by_seed[r["seed"]] for r in recs if r["seed"] in fp32_by_seed]
         return float(np.mean(common)) if common else f_mean
 
+    desc = _descriptions()
+    if blockwise:
+        names = list(_linear_only())
+        title = [
+            "# Accuracy of the blockwise float8 recipes",
+            "",
+            "Final validation loss of `examples.train`'s character transformer made wider (d_model 128, d_ff 512: "
+            "the blockwise recipes block every GEMM's summed axis by 128, which the default d_model of 64 does not "
+            "hold), trained in float32 and under "
+            + " and ".join(f"`{desc[n]}`" for n in names)
+            + " (`recipes.apply(loss, recipe)` on the unchanged float32 model). `weights_only=True` keeps "
+            "attention's products of two activations (head dimension 64) in float32, as torchao's and Transformer "
+            "Engine's linear-layer swaps leave them; every other GEMM, the LM head included, follows the recipe. "
+            "Produced by `python scripts/recipe_accuracy.py --blockwise`; every number here comes from its runs. "
+            "The other recipes, on the default model: [recipes_accuracy.md](recipes_accuracy.md).",
+        ]
+    else:
+        names = [n for n in sorted(recipes.BUILTINS) if n not in WIDE_RECIPES]
+        title = [
+            "# Accuracy of the training recipes",
+            "",
+            "Final validation loss of `examples.train`'s character transformer trained in float32 and under each "
+            "built-in `scalify.recipes` recipe (`recipes.apply(loss, recipe)` on the unchanged float32 model, as "
+            f"`python -m examples.train --model transformer --recipe NAME --steps {steps}`). Produced by "
+            "`python scripts/recipe_accuracy.py`; every number here comes from its runs.",
+        ]
     lines = [
-        "# Accuracy of the training recipes",
-        "",
-        "Final validation loss of `examples.train`'s character transformer trained in float32 and under each "
-        "built-in `scalify.recipes` recipe (`recipes.apply(loss, recipe)` on the unchanged float32 model, as "
-        f"`python -m examples.train --model transformer --recipe NAME --steps {steps}`). Produced by "
-        "`python scripts/recipe_accuracy.py`; every number here comes from its runs.",
+        *title,
         "",
         f"## Results ({steps} steps)",
         "",
@@ -279,52 +364,26 @@ def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
         f"float32's mean over the same seeds. Within {TOLERANCE_PCT:g}%: the gap is at most +{TOLERANCE_PCT:g}% "
         "(a recipe that ends below float32 counts as within).",
         "",
-        "| recipe | seeds | val loss | train loss (last 10 steps) | gap to fp32 | within 2% | s / run (mean) |",
-        "|---|---|---|---|---|---|---|",
     ]
-    missing = []
-    planned = _plan(seeds, ablation_seeds)
-    for name in ["fp32", *sorted(recipes.BUILTINS)]:
-        recs = by.get(name, [])
-        if not recs:
-            lines.append(f"| {name} | 0 | not run | | | | |")
-            continue
-        m, s, n = _stats([r["val_loss"] for r in recs])
-        tm, ts, tn = _stats([r["train_loss"] for r in recs])
-        secs = np.mean([r["wall_s"] for r in recs])
-        seed_list = ",".join(str(r["seed"]) for r in recs)
-        if name == "fp32":
-            gap, within = "—", "—"
-        else:
-            ref = fp32_ref(recs)
-            g = 100.0 * (m - ref) / ref
-            gap, within = f"{g:+.2f}%", ("yes" if g <= TOLERANCE_PCT else "**no**")
-        lines.append(
-            f"| {name} | {seed_list} | {_fmt_ms(m, s, n)} | {_fmt_ms(tm, ts, tn)} | {gap} | {within} | {secs:.0f} |"
-        )
-    gaps = {}
-    for name in sorted(recipes.BUILTINS):
-        if by.get(name):
-            m, _, n = _stats([r["val_loss"] for r in by[name]])
-            ref = fp32_ref(by[name])
-            gaps[name] = (100.0 * (m - ref) / ref, n)
-    ok = [f"{n} ({g:+.2f}%)" for n, (g, _) in gaps.items() if g <= TOLERANCE_PCT]
-    bad = [f"{n} ({g:+.2f}%)" for n, (g, _) in gaps.items() if g > TOLERANCE_PCT]
-    lines += [
-        "",
-        f"Within {TOLERANCE_PCT:g}% of float32: {', '.join(ok) or 'none'}. "
-        f"Not within: {', '.join(bad) or 'none'}. "
-        f"Float32's own seed-to-seed standard deviation is {100 * f_sd / f_mean:.2f}% of its mean "
-        f"({f_n} seeds), the scale on which gaps below it are noise.",
-    ]
+    lines += _results_table(by, names, fp32_ref, f_mean, f_sd, f_n)
+    if not blockwise:
+        lines += [
+            "",
+            f"The blockwise recipes ({', '.join(WIDE_RECIPES)}) block every GEMM by 128, which this model's d_model "
+            "of 64 does not hold: they are measured on the same transformer at d_model 128 in "
+            f"[{BLOCKWISE_DOC.name}]({BLOCKWISE_DOC.name}).",
+        ]
+    planned = _plan(seeds, ablation_seeds, blockwise=blockwise)
     done = {(r["name"], r["seed"]) for recs in by.values() for r in recs}
     missing = [(n, s) for n, s in planned if (n, s) not in done]
 
-    lines += ["", "## NVFP4 ablations", ""]
+    lines += [] if blockwise else ["", "## NVFP4 ablations", ""]
     fp_seed = {r["seed"]: r["val_loss"] for r in by["fp32"]}
     nv_seed = {r["seed"]: r["val_loss"] for r in by.get("nvfp4", [])}
     abl = {n: {r["seed"]: r["val_loss"] for r in by.get(n, [])} for n in ABLATION_NAMES}
-    if not any(abl.values()):
+    if blockwise:
+        pass
+    elif not any(abl.values()):
         lines.append("Not run (the deadline came first).")
     else:
         lines += [
@@ -387,8 +446,8 @@ def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
         f"learning rate {hp.get('lr', '?')}; float32 master weights and optimizer state in every row (a recipe "
         "only quantizes the GEMM operands: forward, input-gradient and weight-gradient GEMMs).",
         f"* Seeds: {', '.join(str(s) for s in seeds)} (initialisation and batch order). The recipes' own "
-        "stochastic-rounding seed is the built-in `Recipe.seed=0` in every run. NVFP4 ablations: seeds "
-        f"{', '.join(str(x) for x in ablation_seeds) or 'none'}.",
+        "stochastic-rounding seed is the built-in `Recipe.seed=0` in every run."
+        + ("" if blockwise else f" NVFP4 ablations: seeds {', '.join(str(x) for x in ablation_seeds) or 'none'}."),
         f"* Machine: {mach.get('cpu', '?')}, {mach.get('cores', '?')} cores shared with other jobs (runs under "
         f"`nice -n 19`, one at a time), JAX {mach.get('jax', '?')} on {mach.get('backend', '?')}, "
         f"Python {mach.get('python', '?')}.",
@@ -397,7 +456,7 @@ def render(data, steps, doc_path, plot_path, seeds, ablation_seeds):
         "so times are indicative only).",
         "",
     ]
-    if plot_path is not None and plot(by, plot_path, steps):
+    if plot_path is not None and plot(by, plot_path, steps, names):
         lines += [
             f"![training loss]({Path(plot_path).name})",
             "",
@@ -413,9 +472,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    ap.add_argument("--json", default=DEFAULT_JSON, help="results file, appended run by run")
-    ap.add_argument("--doc", default=str(DOC))
-    ap.add_argument("--plot", default=str(PLOT))
+    ap.add_argument("--json", default=None, help=f"results file, appended run by run (default {DEFAULT_JSON})")
+    ap.add_argument("--doc", default=None, help=f"default {DOC.relative_to(ROOT)}")
+    ap.add_argument("--plot", default=None, help=f"default {PLOT.relative_to(ROOT)}")
+    ap.add_argument(
+        "--blockwise",
+        action="store_true",
+        help=f"the blockwise recipes on the wider transformer (default JSON {BLOCKWISE_JSON}, "
+        f"doc {BLOCKWISE_DOC.relative_to(ROOT)})",
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--ablation-seeds", default=None, help="seeds of the NVFP4 ablations (default: the first seed)")
     ap.add_argument("--no-ablations", action="store_true")
@@ -423,8 +488,11 @@ def main(argv=None):
     ap.add_argument("--stop-at", default=None, help="UTC time HH:MM after which no new run starts")
     ap.add_argument("--render-only", action="store_true", help="write the doc from the JSON file, no training")
     args = ap.parse_args(argv)
+    args.json = args.json or (BLOCKWISE_JSON if args.blockwise else DEFAULT_JSON)
+    args.doc = args.doc or str(BLOCKWISE_DOC if args.blockwise else DOC)
+    args.plot = args.plot or str(BLOCKWISE_PLOT if args.blockwise else PLOT)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    if args.no_ablations:
+    if args.no_ablations or args.blockwise:
         args.ablation_seeds = []
     elif args.ablation_seeds is None:
         args.ablation_seeds = args.seeds[:1]
@@ -436,7 +504,8 @@ def main(argv=None):
         now = datetime.datetime.now(datetime.UTC)
         args.stop_at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
     data = _load(args.json) if args.render_only else run(args)
-    render(data, args.steps, args.doc, None if args.no_plot else args.plot, args.seeds, args.ablation_seeds)
+    plot_path = None if args.no_plot else args.plot
+    render(data, args.steps, args.doc, plot_path, args.seeds, args.ablation_seeds, args.blockwise)
     return 0
 
 

@@ -910,6 +910,27 @@ def test_round_quotient_repairs_any_guess_within_2_ulps(seed, k, kind):
     assert same.all(), (a[~same][:3], b[~same][:3], want[~same][:3], got[~same][:3])
 
 
+def test_round_quotient_just_below_a_power_of_two():
+    """Quotients a few ulps below a power of two (``a`` divided by itself a few ulps up: a block
+    maximum one ulp above 448 divided into 448, in the blockwise float8 recipe), repaired from
+    guesses 2 representable values either way: 2 values up lie in the binade above, whose ulp is
+    twice the quotient's (4.5 of its units away; the first version of the repair reached 2.5)."""
+    from qformats._bits import round_quotient
+
+    rng = np.random.default_rng(7)
+    a = (rng.uniform(1, 2, 4096) * np.exp2(rng.integers(-60, 60, 4096))).astype(F32)
+    crossing = 0
+    for up in (1, 2, 3):
+        b = _ulps_from(a, up)
+        want = exact_quotient(a, b)
+        assert np.all(want < 1)
+        crossing += int(np.sum(_ulps_from(want, 2) >= 1))  # guesses 2 up in [1, 2)
+        for k in (-2, -1, 1, 2):
+            got = np.asarray(jax.jit(round_quotient)(a, b, _ulps_from(want, k)))
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"{up} up, {k} ulps")
+    assert crossing > 1000
+
+
 def test_round_quotient_subnormal_ties_and_overflow():
     """Quotients on exact ties of the subnormal grid (``2**-149`` apart: they round to even), and
     quotients that overflow, from guesses 2 ulps off either way."""

@@ -11,6 +11,8 @@ See ``docs/recipes.md``.
 from scalify.recipes._apply import RecipeContraction, apply, policy
 from scalify.recipes._builtins import (
     BUILTINS,
+    FLOAT8_BLOCKWISE,
+    FLOAT8_BLOCKWISE_POW2,
     FLOAT8_ROWWISE,
     FLOAT8_TENSORWISE,
     FLOAT8_TENSORWISE_POW2,
@@ -26,6 +28,8 @@ from scalify.recipes._recipe import ROLES, Recipe
 
 __all__ = [
     "BUILTINS",
+    "FLOAT8_BLOCKWISE",
+    "FLOAT8_BLOCKWISE_POW2",
     "FLOAT8_ROWWISE",
     "FLOAT8_TENSORWISE",
     "FLOAT8_TENSORWISE_POW2",

@@ -60,9 +60,37 @@ E4M3 block-16 scales and a float32 tensor scale; weights in 16x16 tiles (so a we
 transpose quantize alike); output gradients rounded stochastically; a 16x16 random Hadamard
 transform on both weight-gradient operands."""
 
+
+def _blockwise(name: str, fmt) -> Recipe:
+    """E4M3 everywhere: 1 x 128 blocks along each GEMM's summed axis, 128 x 128 tiles for weights."""
+    tiles = fmt.replace(tile_axis=-2)
+    return Recipe(name, fmt, tiles, fmt, tiles, fmt, fmt)
+
+
+FLOAT8_BLOCKWISE = _blockwise("float8_blockwise", qf.get_format("fp8_e4m3_block128"))
+"""DeepSeek-V3's float8 recipe as torchao's blockwise float8 training runs it: E4M3 elements, float32
+scales stored as ``1 / r`` with ``r = 448 / amax`` per block; activations and gradients in blocks of 128
+along each GEMM's summed axis, weights in 128 x 128 tiles (a weight and its transpose quantize alike).
+Every dimension a GEMM blocks must be a multiple of 128."""
+
+FLOAT8_BLOCKWISE_POW2 = _blockwise("float8_blockwise_pow2", qf.get_format("fp8_e4m3_block128_pow2"))
+"""``FLOAT8_BLOCKWISE`` with ``r`` rounded down to a power of two (its mantissa bits zeroed):
+Transformer Engine's ``Float8BlockScaling`` with its default power-of-two scales."""
+
 BUILTINS = {
     r.name: r
-    for r in (MXFP8, MXFP8_RCEIL, MXFP4, MXFP4_RCEIL, FLOAT8_TENSORWISE, FLOAT8_TENSORWISE_POW2, FLOAT8_ROWWISE, NVFP4)
+    for r in (
+        MXFP8,
+        MXFP8_RCEIL,
+        MXFP4,
+        MXFP4_RCEIL,
+        FLOAT8_TENSORWISE,
+        FLOAT8_TENSORWISE_POW2,
+        FLOAT8_ROWWISE,
+        FLOAT8_BLOCKWISE,
+        FLOAT8_BLOCKWISE_POW2,
+        NVFP4,
+    )
 }
 
 

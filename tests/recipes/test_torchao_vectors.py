@@ -47,6 +47,7 @@ RECIPES = {
     "float8_tensorwise_pow2": recipes.FLOAT8_TENSORWISE_POW2,
     "float8_rowwise": recipes.FLOAT8_ROWWISE,
     "float8_rowwise_with_gw_hp": _ROWWISE_GW_HP,  # built by the user from the registry: a recipe is data
+    "float8_blockwise": recipes.FLOAT8_BLOCKWISE,
 }
 FILES = sorted(VECTORS.glob("*.npz"))
 

@@ -162,6 +162,21 @@ def test_cli_rejects_unknown_format(capsys):
     assert "Unknown --format" in capsys.readouterr().err
 
 
+def test_cli_recipe_trains_and_a_recipe_that_cannot_block_the_model_says_why(capsys):
+    """``--recipe`` trains the unchanged model under a built-in recipe; the blockwise recipes need
+    every GEMM dimension a multiple of 128, and on the small transformer (d_model 64) the run stops
+    with the recipe's error, which names the operand and the fixes, instead of a traceback."""
+    from examples.train import main
+
+    assert main(["--model", "transformer", "--recipe", "mxfp8", "--steps", "2", "--json", "--no-progress"]) == 0
+    m = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert m["format"] == "recipe:mxfp8" and math.isfinite(m["val_loss"])
+    argv = ["--model", "transformer", "--recipe", "float8_blockwise", "--steps", "2", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "float8_blockwise" in err and "multiple of 128" in err and "high_precision_scopes" in err
+
+
 @needs_sklearn
 def test_float16_collapse_and_scalify_recovery():
     # Unnormalised N(0, 1) init times 8: activations overflow float16 (max 65504).

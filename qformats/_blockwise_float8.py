@@ -1,0 +1,102 @@
+"""Float8 with a float32 scale per block of 128: DeepSeek-V3's training recipe.
+
+torchao's blockwise float8 training (``torchao.prototype.blockwise_fp8_training``) and Transformer
+Engine's ``Float8BlockScaling`` quantize activations and gradients in blocks of 128 consecutive
+elements along a GEMM's summed axis and weights in 128 x 128 tiles. Per block,
+
+    r = max_value / max(amax, eps)      (float32; TE's default rounds it down to a power of two)
+    data = saturate(x * r)              (rounded to nearest even)
+    scale = 1 / r                       (float32, the multiplier the GEMM applies)
+    value = data * scale
+
+``r`` is a float32 division: torchao divides in float64 and rounds to float32, the same number,
+because float64 carries more than twice float32's precision. ``eps`` clamps ``amax`` in float32,
+as torchao's Triton kernels do.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qformats import _elements, _layout
+from qformats._fmt_common import div, mul
+from qformats._format import ScaledFormat
+
+_POW2_MASK = np.int32(-(1 << 23))  # 0xFF800000: sign and exponent bits of a float32
+
+
+@attrs.frozen
+class BlockwiseFloat8(ScaledFormat):
+    """``data = sat(x * r)``, ``scale = 1 / r``, ``r = max_value / max(amax, eps)`` per block.
+
+    Blocks are ``block_size`` consecutive elements along ``axis``; with ``tile_axis`` set, square
+    ``block_size x block_size`` tiles over ``axis`` and ``tile_axis`` (a weight and its transpose
+    then quantize alike). ``pow2=True`` zeroes ``r``'s mantissa bits (Transformer Engine's default
+    power-of-two scales; ``1 / r`` is then exact).
+    """
+
+    local_scales: ClassVar[bool] = True
+    axis_fields: ClassVar[tuple[str, ...]] = ("axis", "tile_axis")
+
+    name: str = "fp8_e4m3_block128"
+    element: _elements.FloatElement = _elements.FLOAT8_E4M3FN
+    axis: int = -1
+    block_size: int = 128
+    tile_axis: int | None = None
+    pow2: bool = False
+    eps: float = 1e-12
+
+    @property
+    def layout(self):
+        if self.tile_axis is not None:
+            return _layout.Tiles(self.axis, self.tile_axis, self.block_size)
+        return _layout.Blocked(self.axis, self.block_size)
+
+    def aim(self, contracted, free=None):
+        """Blocks along the contracted axis; a tiled format (``tile_axis`` set) tiles with ``free``."""
+        if self.tile_axis is None:
+            return self.replace(axis=contracted)
+        if free is None:
+            raise ValueError(
+                f"{self.name} with {self.block_size}x{self.block_size} tiles needs a second (free) axis, "
+                f"but this GEMM operand has none; use 1-D blocks (tile_axis=None) for it."
+            )
+        return self.replace(axis=contracted, tile_axis=free)
+
+    def reciprocal_scale(self, amax):
+        """``r`` for each block from its float32 ``amax``."""
+        # max_value is an operand, not a folded constant: XLA may not rewrite this division.
+        r = div(jnp.asarray(self.max_value, jnp.float32), jnp.maximum(amax, np.float32(self.eps)))
+        if self.pow2:
+            r = lax.bitcast_convert_type(lax.bitcast_convert_type(r, jnp.int32) & _POW2_MASK, jnp.float32)
+        return r
+
+    def quantize(self, x):
+        self.check_input(x)
+        x = jnp.asarray(x).astype(jnp.float32)
+        block = self.block_shape(x.shape)
+        r = self.reciprocal_scale(_layout.block_amax(x, block, exact=True))
+        data = self.element.encode(mul(x, _layout.expand(r, x.shape, block)))
+        return data, div(np.float32(1), r)
+
+    def decode(self, data):
+        return self.element.decode(data)
+
+    def scale_values(self, scale):
+        return jnp.asarray(scale, jnp.float32)
+
+    def dequantize(self, data, scale, dtype=jnp.float32):
+        """``decode(data) * scale``, one float32 product per element (the scale may be large or
+        small; the product is computed as stored, never through a subnormal factor)."""
+        elems = self.decode(data)
+        block = self.block_shape(elems.shape)
+        return mul(elems, _layout.expand(self.scale_values(scale), elems.shape, block)).astype(dtype)
+
+
+FP8_E4M3_BLOCK128 = BlockwiseFloat8()
+FP8_E4M3_BLOCK128_POW2 = BlockwiseFloat8("fp8_e4m3_block128_pow2", pow2=True)
