@@ -569,14 +569,17 @@ def main() -> None:
     cases = [(tuple(args.shape), list(RECIPES))] if args.shape else CASES
     for (m, k, n), names in cases:
         seed = 1000 * m + n
+        names = [r for r in names if not args.only or r in args.only]
+        if any(d % 128 for d in (m, k, n)) and set(names) & set(BLOCKWISE):
+            skipped = sorted(set(names) & set(BLOCKWISE))
+            print(f"skipping {skipped} at {m}x{k}x{n}: every size must be a multiple of 128")
+            names = [r for r in names if r not in BLOCKWISE]
         for kind in args.inputs:
             torch.manual_seed(seed)
             x, w, dy = make_inputs(m, k, n, seed, kind)
-            if kind == "edges" and set(names) <= set(BLOCKWISE):
+            if kind == "edges" and names and set(names) <= set(BLOCKWISE):
                 x, w, dy = plant_blockwise(x, w, dy)
             for name in names:
-                if args.only and name not in args.only:
-                    continue
                 write(out, name, (m, k, n), kind, seed, x, w, dy)
 
 

@@ -74,8 +74,9 @@ along each GEMM's summed axis, weights in 128 x 128 tiles (a weight and its tran
 Every dimension a GEMM blocks must be a multiple of 128."""
 
 FLOAT8_BLOCKWISE_POW2 = _blockwise("float8_blockwise_pow2", qf.get_format("fp8_e4m3_block128_pow2"))
-"""``FLOAT8_BLOCKWISE`` with ``r`` rounded down to a power of two (its mantissa bits zeroed):
-Transformer Engine's ``Float8BlockScaling`` with its default power-of-two scales."""
+"""Transformer Engine's ``Float8BlockScaling`` with its default power-of-two scales: as
+``FLOAT8_BLOCKWISE`` with ``r``'s mantissa bits zeroed and TE's rule for degenerate blocks (no
+``amax`` clamp; ``r = 1`` where ``amax`` is 0, Inf or NaN)."""
 
 BUILTINS = {
     r.name: r
