@@ -35,14 +35,14 @@ import numpy as np
 from jax import lax
 
 from qformats import _elements, _layout
-from qformats._fmt_common import div, mul
+from qformats._fmt_common import BlocksOrTiles, div, encode_times_reciprocal, mul
 from qformats._format import ScaledFormat
 
 _POW2_MASK = np.int32(-(1 << 23))  # 0xFF800000: sign and exponent bits of a float32
 
 
 @attrs.frozen
-class BlockwiseFloat8(ScaledFormat):
+class BlockwiseFloat8(BlocksOrTiles, ScaledFormat):
     """``data = sat(x * r)``, ``scale = 1 / r``, ``r = max_value / max(amax, eps)`` per block.
 
     Blocks are ``block_size`` consecutive elements along ``axis``; with ``tile_axis`` set, square
@@ -65,23 +65,6 @@ class BlockwiseFloat8(ScaledFormat):
     eps: float = 1e-12
     degenerate_unit_scale: bool = False
 
-    @property
-    def layout(self):
-        if self.tile_axis is not None:
-            return _layout.Tiles(self.axis, self.tile_axis, self.block_size)
-        return _layout.Blocked(self.axis, self.block_size)
-
-    def aim(self, contracted, free=None):
-        """Blocks along the contracted axis; a tiled format (``tile_axis`` set) tiles with ``free``."""
-        if self.tile_axis is None:
-            return self.replace(axis=contracted)
-        if free is None:
-            raise ValueError(
-                f"{self.name} with {self.block_size}x{self.block_size} tiles needs a second (free) axis, "
-                f"but this GEMM operand has none; use 1-D blocks (tile_axis=None) for it."
-            )
-        return self.replace(axis=contracted, tile_axis=free)
-
     def reciprocal_scale(self, amax):
         """``r`` for each block from its float32 ``amax``."""
         # max_value is an operand, not a folded constant: XLA may not rewrite this division.
@@ -96,11 +79,7 @@ class BlockwiseFloat8(ScaledFormat):
         return r
 
     def quantize(self, x):
-        self.check_input(x)
-        x = jnp.asarray(x).astype(jnp.float32)
-        block = self.block_shape(x.shape)
-        r = self.reciprocal_scale(_layout.block_amax(x, block, exact=True))
-        data = self.element.encode(mul(x, _layout.expand(r, x.shape, block)))
+        data, r = encode_times_reciprocal(self, x)
         return data, div(np.float32(1), r)
 
     def decode(self, data):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats import _bits, _elements, _layout
-from qformats._fmt_common import div, mul
+from qformats._fmt_common import div, encode_times_reciprocal
 from qformats._format import ScaledFormat
 
 
@@ -66,13 +66,9 @@ class ReciprocalScaleFloat8(ScaledFormat):
         return r
 
     def quantize(self, x):
-        self.check_input(x)
-        x = jnp.asarray(x).astype(jnp.float32)
-        block = self.block_shape(x.shape)
-        r = self.reciprocal_scale(_layout.block_amax(x, block, exact=True))
-        data = self.element.encode(mul(x, _layout.expand(r, x.shape, block)))
+        data, r = encode_times_reciprocal(self, x)
         # the block grid keeps the input's rank, (1, ..., 1) per tensor; the layout's scale shape is ()
-        return data, _layout.reshape(r, self.scale_shape(x.shape))
+        return data, _layout.reshape(r, self.scale_shape(data.shape))
 
     def decode(self, data):
         return self.element.decode(data)

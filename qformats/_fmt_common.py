@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qformats import _layout
 from qformats._bits import round_quotient
 from qformats._layout import explicit_sharding
 
@@ -85,3 +86,35 @@ def _rounded_quotient_jvp(primals, tangents):
     (a, b), (da, db) = primals, tangents
     q = _rounded_quotient(a, b)
     return q, (da - q * db) / b
+
+
+def encode_times_reciprocal(fmt, x):
+    """``(data, r)`` in torchao's float8 convention: per block of ``fmt``'s layout
+    ``r = fmt.reciprocal_scale(amax)`` and ``data = encode(x * r)``, ``x`` as float32 (checked)."""
+    fmt.check_input(x)
+    x = jnp.asarray(x).astype(jnp.float32)
+    block = fmt.block_shape(x.shape)
+    r = fmt.reciprocal_scale(_layout.block_amax(x, block, exact=True))
+    return fmt.element.encode(mul(x, _layout.expand(r, x.shape, block))), r
+
+
+class BlocksOrTiles:
+    """Layout and aim of a format with fields ``axis``, ``block_size`` and ``tile_axis``: blocks of
+    ``block_size`` along ``axis``, or, with ``tile_axis`` set, square tiles over the two axes."""
+
+    @property
+    def layout(self):
+        if self.tile_axis is not None:
+            return _layout.Tiles(self.axis, self.tile_axis, self.block_size)
+        return _layout.Blocked(self.axis, self.block_size)
+
+    def aim(self, contracted, free=None):
+        """Blocks along the contracted axis; a tiled format tiles with the operand's ``free`` axis."""
+        if self.tile_axis is None:
+            return self.replace(axis=contracted)
+        if free is None:
+            raise ValueError(
+                f"{self.name} with {self.block_size}x{self.block_size} tiles needs a second (free) axis, "
+                f"but this GEMM operand has none; use 1-D blocks (tile_axis=None) for it."
+            )
+        return self.replace(axis=contracted, tile_axis=free)

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from qformats import _elements, _layout, _packing
-from qformats._fmt_common import div
+from qformats._fmt_common import BlocksOrTiles, div
 from qformats._format import ScaledFormat
 
 _E4M3 = _elements.FLOAT8_E4M3FN
@@ -39,7 +39,7 @@ class NVFP4Scale(NamedTuple):
 
 
 @attrs.frozen
-class NVFP4Format(ScaledFormat):
+class NVFP4Format(BlocksOrTiles, ScaledFormat):
     """``value = fp4(data) * e4m3(block_scale) * tensor_scale``.
 
     * two-level (``tensor_scale=True``): ``tensor = amax(x) / (448 * 6)`` and
@@ -77,23 +77,6 @@ class NVFP4Format(ScaledFormat):
     @property
     def element(self):
         return _FP4
-
-    @property
-    def layout(self):
-        if self.tile_axis is not None:
-            return _layout.Tiles(self.axis, self.tile_axis, self.block_size)
-        return _layout.Blocked(self.axis, self.block_size)
-
-    def aim(self, contracted, free=None):
-        """Blocks along the contracted axis; a tiled format (``tile_axis`` set) tiles with ``free``."""
-        if self.tile_axis is None:
-            return self.replace(axis=contracted)
-        if free is None:
-            raise ValueError(
-                f"{self.name} with {self.block_size}x{self.block_size} tiles needs a second (free) axis, "
-                f"but this GEMM operand has none; use 1-D blocks (tile_axis=None) for it."
-            )
-        return self.replace(axis=contracted, tile_axis=free)
 
     def quantize_stochastic(self, x, key):
         """:meth:`quantize` with the scaled elements rounded stochastically (same two scale levels)."""
