@@ -89,6 +89,10 @@ class RecipeContraction(BindRule):
             # summing over one element) is no GEMM of a linear layer; its gradients are reductions
             # against a vector. All three keep the program's precision.
             return plain()
+        if not (aims["fwd_lhs"].free or aims["fwd_rhs"].free):
+            # An inner product (a sampler's kinetic energy v.p, a U-turn criterion, a squared norm;
+            # batched or not) multiplies no matrix: no linear layer's GEMM, as an outer product is not.
+            return plain()
         unswap = None
         if primitive is lax.dot_general_p and tuple(sources) == (1, 2) and params.get("out_sharding") is None:
             # The weight came first (jnp.einsum orders operands as it finds cheapest): bind the

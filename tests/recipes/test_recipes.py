@@ -319,6 +319,30 @@ def test_summed_axes_merge_into_the_2d_view(name):
     _assert_grads_equal_the_2d_layers(recipes.BUILTINS[name].replace(stochastic_rounding=()), x, w, dy)
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "float8_tensorwise", "nvfp4"])
+def test_inner_products_keep_the_program(name):
+    """A contraction in which neither operand has a free axis (HMC's kinetic energy ``v . p``, NUTS's
+    U-turn criterion, a squared norm; batched or not) multiplies no matrix: it keeps the program's
+    precision, its gradients too, bit for bit, also inside a step whose gradient is taken inside
+    (a sampler's ``step``), where MXFP8 refused the length of 2145 and per-tensor FP8 rounded it.
+    A matrix product beside it still follows the recipe."""
+    v, p = _data((2145,), 20), _data((2145,), 21)
+    vb, pb = _data((4, 96), 22), _data((4, 96), 23)
+
+    def energy(v, p, vb, pb):
+        return 0.5 * jnp.dot(v, p) + jnp.sum(jnp.einsum("bi,bi->b", vb, pb) ** 2)
+
+    want = jax.value_and_grad(energy, argnums=(0, 1, 2, 3))(v, p, vb, pb)
+    recipe = recipes.BUILTINS[name]
+    got = jax.value_and_grad(recipes.apply(energy, recipe), argnums=(0, 1, 2, 3))(v, p, vb, pb)
+    inside = recipes.apply(jax.value_and_grad(energy, argnums=(0, 1, 2, 3)), recipe)(v, p, vb, pb)
+    for g, i, w in zip(jax.tree.leaves(got), jax.tree.leaves(inside), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(i, w)
+    x, w = _data((64, 128), 24), _data((128, 32), 25)
+    assert not np.array_equal(recipes.apply(jnp.matmul, recipe)(x, w), x @ w)
+
+
 def _assert_grads_equal_the_2d_layers(recipe, x, w, dy):
     """The gradients of ``sum((x @ w) * dy)`` under ``recipe`` equal, bit for bit, those of the same
     layer on ``x`` reshaped to 2-D (tokens x features); returns them."""
