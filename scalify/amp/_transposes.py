@@ -29,6 +29,11 @@ contraction of that program; such a backward contraction is paired with the forw
 whose operand shapes and dimension numbers it transposes (named scopes preferred, outcomes
 required to agree, as above).
 
+The same pass records what tells a weight from an activation where the inputs a value is computed
+from do not (:mod:`scalify.amp._sources`: a point moved along a gradient taken inside mixes every
+input): which forward contractions read each operand of each forward contraction, and which
+operands are computed, outside the backward pass, from a forward contraction's output.
+
 :class:`Transposes` finds the candidates once per call, before the walk; the walker
 records, at each forward contraction, what the recipe made of it (:meth:`Transposes.decide`), and
 a backward contraction reads the outcome (:meth:`Transposes.resolve`).
@@ -151,6 +156,13 @@ class Transposes:
         self._transposed: set[int] = set()
         # forward contractions with their scope paths, and the values remat recomputed, in program order
         self._forwards: list[tuple[object, tuple]] = []
+        # the forward contractions that read each operand of each forward contraction (itself included)
+        self._readers: dict[int, tuple[tuple[_Tag, ...], ...]] = {}
+        # values computed, outside the backward pass, from a forward contraction's output (activations,
+        # not weights: a weight moved along its gradient mixes inputs, but through gradients only),
+        # and for each forward contraction, which of its operands is one
+        self._activations: set = set()
+        self._reads_activation: dict[int, tuple[bool, ...]] = {}
         self._recomputed: set = set()
         self._closed = closed
         self._scan(closed.jaxpr, {}, False, ())
@@ -167,6 +179,22 @@ class Transposes:
         seen = self._decisions.setdefault(id(eqn), [])
         if decision not in seen:
             seen.append(decision)
+
+    def taken_as_activation(self, eqn, side: int) -> bool:
+        """Whether another forward contraction, decided before ``eqn``, read ``eqn``'s operand
+        ``side`` as its activation (the operand the recipe did not take as the weight)."""
+        for tag in self._readers.get(id(eqn), ((), ()))[side]:
+            if tag.forward is eqn:
+                continue
+            for d in self._decisions.get(id(tag.forward), ()):
+                if d is not None and tag.side == (1 if d.unswap is not None else 0):
+                    return True
+        return False
+
+    def reads_activation(self, eqn) -> tuple[bool, ...]:
+        """For each operand of the forward contraction ``eqn``: whether it was computed, outside the
+        backward pass, from a forward contraction's output."""
+        return self._reads_activation.get(id(eqn), (True,) * len(eqn.invars))
 
     def resolve(self, eqn):
         """``(partner, decision)`` for the backward contraction ``eqn``, or ``None`` when it has no
@@ -212,13 +240,24 @@ class Transposes:
                     self._partners[id(eqn)] = partners
                     continue
                 self._forwards.append((eqn, here))
+                seen = self._readers.get(id(eqn), ((),) * len(eqn.invars))
+                self._readers[id(eqn)] = tuple(
+                    _merge(old, _read(tags, v)) for old, v in zip(seen, eqn.invars, strict=True)
+                )
                 for side, v in enumerate(eqn.invars):
                     _add(tags, v, (_Tag(eqn, side, False, here),))
+                acts = tuple(self._is_activation(v) for v in eqn.invars)
+                seen_acts = self._reads_activation.get(id(eqn), acts)
+                self._reads_activation[id(eqn)] = tuple(a or b for a, b in zip(seen_acts, acts, strict=True))
+                if not inside:
+                    self._activations.update(eqn.outvars)
             elif eqn.primitive is lax.rev_p:  # the input gradient of a convolution reverses its weight
                 flipped = tuple(t._replace(reversed=not t.reversed) for t in _read(tags, eqn.invars[0]))
                 _add(tags, eqn.outvars[0], flipped)
             elif _walk.has_sub_jaxprs(eqn):
                 self._into(eqn, tags, inside, here)
+            elif not inside and any(self._is_activation(v) for v in eqn.invars):
+                self._activations.update(eqn.outvars)
 
     def _into(self, eqn, tags: dict, transposed: bool, scopes: tuple) -> None:
         """Scan ``eqn``'s sub-jaxprs with its operands' tags, then carry back the tags their invars
@@ -232,13 +271,23 @@ class Transposes:
             for v, i in zip(j.invars, operands, strict=True):
                 if i is not None:
                     _add(inner, v, _read(tags, eqn.invars[i]))
+                if not transposed and (i is None or self._is_activation(eqn.invars[i])):
+                    self._activations.add(v)  # a loop carry may be one after the first iteration
             self._scan(j, inner, transposed, scopes)
+            if not transposed:
+                mapped = {o: v for v, o in zip(j.outvars, results, strict=True) if o is not None}
+                self._activations.update(
+                    out for o, out in enumerate(eqn.outvars) if o not in mapped or self._is_activation(mapped[o])
+                )
             for v, i in zip(j.invars, operands, strict=True):
                 if i is not None:
                     _add(tags, eqn.invars[i], _read(inner, v))
             for v, o in zip(j.outvars, results, strict=True):
                 if o is not None:
                     _add(tags, eqn.outvars[o], _read(inner, v))
+
+    def _is_activation(self, v) -> bool:
+        return not isinstance(v, jc.Literal) and v in self._activations
 
     @staticmethod
     def _match(eqn, tags, scopes: tuple) -> tuple[Partner, ...]:
@@ -284,6 +333,12 @@ class Site(NamedTuple):
     def decide(self, decision) -> None:
         self.transposes.decide(self.eqn, decision)
 
+    def taken_as_activation(self, side: int) -> bool:
+        return self.transposes.taken_as_activation(self.eqn, side)
+
+    def reads_activation(self) -> tuple[bool, ...]:
+        return self.transposes.reads_activation(self.eqn)
+
 
 def _read(tags: dict, v) -> tuple:
     return () if isinstance(v, jc.Literal) else tags.get(v, ())
@@ -292,6 +347,9 @@ def _read(tags: dict, v) -> tuple:
 def _add(tags: dict, v, new: tuple) -> None:
     if not new or isinstance(v, jc.Literal):
         return
-    old = tags.get(v, ())
+    tags[v] = _merge(tags.get(v, ()), new)
+
+
+def _merge(old: tuple, new: tuple) -> tuple:
     # by identity: equations compare by their params otherwise
-    tags[v] = old + tuple(t for t in new if not any(t[0] is o[0] and t[1:] == o[1:] for o in old))
+    return old + tuple(t for t in new if not any(t[0] is o[0] and t[1:] == o[1:] for o in old))

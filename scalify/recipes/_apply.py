@@ -63,19 +63,19 @@ class RecipeContraction(BindRule):
         paired = None if site is None else site.resolve()
         if paired is not None:
             return [self._backward(primitive, invals, params, out_avals, scopes, *paired)]
-        y, decision = self._forward(primitive, invals, params, out_avals, scopes, sources)
+        y, decision = self._forward(primitive, invals, params, out_avals, scopes, sources, site)
         if site is not None:
             site.decide(decision)
         return [y]
 
-    def _forward(self, primitive, invals, params, out_avals, scopes, sources):
+    def _forward(self, primitive, invals, params, out_avals, scopes, sources, site=None):
         """The forward contraction and what the recipe made of it (``None``: the program's precision)."""
         x, w, *rest = invals  # rest: a grouped GEMM's group sizes
         plain = lambda: (primitive.bind(*invals, **params), None)
         if not (_is_float(x) and _is_float(w)):
             return plain()
-        if self.recipe.weights_only and sources and 1 not in sources:
-            # No operand is a weight (both mix inputs, or one is a constant): not a linear layer.
+        if self.recipe.weights_only and sources and not _has_weight(sources, site):
+            # No operand is a weight (both are activations, or one is a constant): not a linear layer.
             return plain()
         if self.recipe.weights_only and _times_a_vector(primitive, params, x.ndim, w.ndim):
             # A weight times a vector (a spectral norm's power iteration, W v and u W) is no linear
@@ -94,7 +94,7 @@ class RecipeContraction(BindRule):
             # batched or not) multiplies no matrix: no linear layer's GEMM, as an outer product is not.
             return plain()
         unswap = None
-        if primitive is lax.dot_general_p and tuple(sources) == (1, 2) and params.get("out_sharding") is None:
+        if _weight_first(primitive, params, sources, site):
             # The weight came first (jnp.einsum orders operands as it finds cheapest): bind the
             # weight as the rhs, so its roles (2-D tiles, the weight gradient) are the weight's.
             params, unswap = _rhs_first(params, x.ndim, w.ndim)
@@ -146,6 +146,29 @@ class RecipeContraction(BindRule):
         operands = (gq, rq) if partner.residual == 1 else (rq, gq)
         op = Contraction(primitive, tuple(sorted(params.items())))
         return op.emulated(*operands, *rest).astype(out_avals[0].dtype)
+
+
+def _has_weight(sources, site) -> bool:
+    """Whether an operand is a weight: computed from one input of the function, or from several
+    but from no contraction's output (a weight moved along a gradient taken inside)."""
+    if 1 in sources:
+        return True
+    return site is not None and any(n == 2 and not a for n, a in zip(sources, site.reads_activation(), strict=False))
+
+
+def _weight_first(primitive, params, sources, site) -> bool:
+    """Whether a ``dot_general``'s lhs is its weight: computed from one input while the rhs mixes
+    several, and not taken as an activation by an earlier contraction. (A gradient at a point
+    computed from a gradient, a sharpness-aware step's ``w + rho g`` or a sampler's next position,
+    mixes every input, and meets the batch that the first gradient's contraction took as its
+    activation.)"""
+    if primitive is not lax.dot_general_p or params.get("out_sharding") is not None or site is None:
+        return site is None and primitive is lax.dot_general_p and tuple(sources) == (1, 2)
+    if tuple(sources) == (1, 2):
+        return not site.taken_as_activation(0)
+    # Both mix inputs: the lhs is the weight if it is computed from no contraction's output (a
+    # weight moved along its gradient) while the rhs is (an activation).
+    return tuple(sources) == (2, 2) and site.reads_activation()[:2] == (False, True)
 
 
 def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:

@@ -236,6 +236,44 @@ def test_hard_pairings_match_the_custom_vjp(name):
     _assert_trees_equal(got, jax.value_and_grad(recipes.apply(loss, recipe))(params, x))
 
 
+def _sam(loss, rho=0.05, lr=0.1):
+    """A sharpness-aware minimisation step (Foret et al., 2021): the gradient at the weights, the
+    weights moved along it by ``rho`` over its global norm, and the gradient there applied at the
+    weights. The second gradient is taken at a point computed from the first."""
+
+    def step(p, x):
+        g = jax.grad(loss)(p, x)
+        moved = jax.tree.map(lambda w, d: w + rho * d / optax.global_norm(g), p, g)
+        return jax.tree.map(lambda w, d: w - lr * d, p, jax.grad(loss)(moved, x))
+
+    return step
+
+
+def _sam_loss(p, x):
+    """The batch read by the first layer at both points; a bias; a layer written as equinox's
+    ``Linear`` (``w @ v``, vmapped: the weight bound first)."""
+    h = jnp.tanh(x @ p["w0"] + p["b"])
+    h = jax.nn.gelu(jax.vmap(lambda v: p["w"] @ v)(h))
+    return jnp.mean((h @ p["wg"]) ** 2)
+
+
+_SAM_W = {**_W, "b": _data((64,), 9, 0.1)}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_gradient_at_a_point_moved_along_a_gradient(name):
+    """A sharpness-aware step under the recipe equals the same step around the applied loss's
+    gradient, bit for bit. At the moved point the weights mix every input of the step (the batch,
+    through the first gradient): the walker tells them from activations by where they come from
+    (no forward contraction's output), and the batch from a weight by the first point's layer,
+    which took it as its activation. Before, the batch's weight gradient raised the pairing error
+    (the moved point's first layer had taken the batch as its weight), then the equinox layer's
+    weight took an activation's roles there (NVFP4's tiles), and ``weights_only`` kept every
+    layer after the first in float32 there."""
+    step = recipes.apply(_sam(_sam_loss), RECIPES[name])
+    _assert_trees_equal(step(_SAM_W, X[:, :64]), _sam(recipes.apply(_sam_loss, RECIPES[name]))(_SAM_W, X[:, :64]))
+
+
 def test_one_jitted_function_at_two_sites_the_recipe_treats_apart_raises():
     """A jitted helper traced once, called on a weight (a linear layer) and on two activations:
     under ``weights_only`` its forward equation is quantized at one site and kept at the other, and

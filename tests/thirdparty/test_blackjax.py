@@ -258,6 +258,20 @@ def test_nuts_under_recipe(recipe_name):
     assert not np.any(info.is_divergent), f"NUTS diverged under {recipe_name}: energies {info.energy}"
 
 
+def test_nuts_program_under_recipe_as_a_whole():
+    """blackjax's whole driver under the recipe, ``recipes.apply(sample, r)``: ``init`` takes the
+    gradient at the first position, each step again at positions computed from it (the momentum
+    moved by it). Each backward GEMM pairs with its own forward one, and the draws equal those of
+    NUTS on the recipe's log density bit for bit. (Before, the pairing raised: the step's
+    contraction, data times a position that mixes every input, had taken the data as its weight
+    where ``init``'s took it as its activation.)"""
+    recipe = recipes.BUILTINS[RECIPES_CI[0]]
+    whole = jax.jit(recipes.apply(nuts_program(target()), recipe))(jax.random.key(53), init_position())
+    want = jax.jit(nuts_program(recipes.apply(target(), recipe)))(jax.random.key(53), init_position())
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # -- mean-field VI -------------------------------------------------------------------------------------
 def mfvi():
     return blackjax.meanfield_vi(target(), optax.adam(1e-2), num_samples=4)
