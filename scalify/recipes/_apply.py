@@ -162,13 +162,13 @@ def _weight_first(primitive, params, sources, site) -> bool:
     computed from a gradient, a sharpness-aware step's ``w + rho g`` or a sampler's next position,
     mixes every input, and meets the batch that the first gradient's contraction took as its
     activation.)"""
-    if primitive is not lax.dot_general_p or params.get("out_sharding") is not None or site is None:
-        return site is None and primitive is lax.dot_general_p and tuple(sources) == (1, 2)
+    if primitive is not lax.dot_general_p or params.get("out_sharding") is not None:
+        return False
     if tuple(sources) == (1, 2):
-        return not site.taken_as_activation(0)
+        return site is None or not site.taken_as_activation(0)
     # Both mix inputs: the lhs is the weight if it is computed from no contraction's output (a
     # weight moved along its gradient) while the rhs is (an activation).
-    return tuple(sources) == (2, 2) and site.reads_activation()[:2] == (False, True)
+    return site is not None and tuple(sources) == (2, 2) and site.reads_activation()[:2] == (False, True)
 
 
 def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:
