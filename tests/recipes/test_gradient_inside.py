@@ -257,21 +257,36 @@ def _sam_loss(p, x):
     return jnp.mean((h @ p["wg"]) ** 2)
 
 
+def _first_order_maml(loss, steps=2, lr=0.1):
+    """First-order MAML's meta-gradient: the gradient at the weights after ``steps`` gradient
+    steps (each at a point computed from the previous gradient)."""
+
+    def step(p, x):
+        for _ in range(steps):
+            p = jax.tree.map(lambda w, d: w - lr * d, p, jax.grad(loss)(p, x))
+        return jax.grad(loss)(p, x)
+
+    return step
+
+
 _SAM_W = {**_W, "b": _data((64,), 9, 0.1)}
+_MOVED = {"sam": _sam, "first_order_maml": _first_order_maml}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_a_gradient_at_a_point_moved_along_a_gradient(name):
-    """A sharpness-aware step under the recipe equals the same step around the applied loss's
-    gradient, bit for bit. At the moved point the weights mix every input of the step (the batch,
-    through the first gradient): the walker tells them from activations by where they come from
-    (no forward contraction's output), and the batch from a weight by the first point's layer,
-    which took it as its activation. Before, the batch's weight gradient raised the pairing error
-    (the moved point's first layer had taken the batch as its weight), then the equinox layer's
-    weight took an activation's roles there (NVFP4's tiles), and ``weights_only`` kept every
-    layer after the first in float32 there."""
-    step = recipes.apply(_sam(_sam_loss), RECIPES[name])
-    _assert_trees_equal(step(_SAM_W, X[:, :64]), _sam(recipes.apply(_sam_loss, RECIPES[name]))(_SAM_W, X[:, :64]))
+@pytest.mark.parametrize("program", sorted(_MOVED))
+def test_a_gradient_at_a_point_moved_along_a_gradient(program, name):
+    """A sharpness-aware step, and first-order MAML's meta-gradient, under the recipe equal the
+    same program around the applied loss's gradient, bit for bit. At a moved point the weights mix
+    every input of the step (the batch, through the earlier gradient): the walker tells them from
+    activations by where they come from (no forward contraction's output), and the batch from a
+    weight by the first point's layer, which took it as its activation. Before, the batch's weight
+    gradient raised the pairing error (the moved point's first layer had taken the batch as its
+    weight), then the equinox layer's weight took an activation's roles there (NVFP4's tiles),
+    and ``weights_only`` kept every layer after the first in float32 there."""
+    recipe, make = RECIPES[name], _MOVED[program]
+    got = recipes.apply(make(_sam_loss), recipe)(_SAM_W, X[:, :64])
+    _assert_trees_equal(got, make(recipes.apply(_sam_loss, recipe))(_SAM_W, X[:, :64]))
 
 
 def test_one_jitted_function_at_two_sites_the_recipe_treats_apart_raises():
