@@ -11,6 +11,12 @@ scalars (loop counters, indices, predicates), and a loop carry is :data:`MANY` (
 the iterations). Sub-jaxprs receive their operands' sources renumbered in order of appearance, so
 one jnp helper called on differently-sourced but alike-patterned operands is walked once.
 
+Where the walked function takes a gradient inside, the values its backward pass computes (those
+JAX's transposition emitted) have no source where the forward program reads them: a step that
+differentiates again at ``w + rho * g`` (a sharpness-aware step, a sampler's next position) sees
+that point's weights come from ``w`` alone, as the loss differentiated outside would. Inside the
+backward pass (a ``custom_vjp``'s own backward rule contracting its residuals) they keep theirs.
+
 A custom derivative rule's jaxpr (``custom_vjp``'s forward, ``custom_jvp``'s JVP) takes the
 primal operands first: they keep their sources. The JVP rule's tangent inputs are
 :data:`TANGENT`, and so is everything computed from one: JAX transposes that part of the rule for
@@ -64,6 +70,13 @@ def _counts(var) -> bool:
     return not (getattr(aval, "shape", None) == () and not jnp.issubdtype(aval.dtype, jnp.inexact))
 
 
+def _in_backward_pass(eqn) -> bool:
+    """Whether JAX's transposition emitted ``eqn`` (a value of a gradient, not a forward value
+    ``jax.checkpoint`` recomputes there)."""
+    stack = eqn.source_info.name_stack
+    return jc.in_transpose(stack) and not jc.in_recomputation(stack)
+
+
 class Sources:
     """The sources of one evaluation of a jaxpr's variables.
 
@@ -79,18 +92,28 @@ class Sources:
             inputs = (MANY,) * len(jaxpr.invars)
         self.env = dict(zip(jaxpr.invars, inputs, strict=True))
         self.env.update({v: ("const", i) for i, v in enumerate(jaxpr.constvars)})
+        self.gradients: set = set()  # values the backward pass of a gradient taken inside computed
 
     def read(self, var):
         return None if isinstance(var, jc.Literal) else self.env.get(var, MANY)
 
     def of(self, eqn) -> list:
-        """The sources of ``eqn``'s operands."""
-        return [self.read(v) for v in eqn.invars]
+        """The sources of ``eqn``'s operands. Outside the backward pass of a gradient taken inside,
+        a value that backward pass computed has none: a weight moved along its gradient comes from
+        that weight alone, as the loss differentiated outside would see it."""
+        if _in_backward_pass(eqn):
+            return [self.read(v) for v in eqn.invars]
+        return [None if self._is_gradient(v) else self.read(v) for v in eqn.invars]
+
+    def _is_gradient(self, var) -> bool:
+        return not isinstance(var, jc.Literal) and var in self.gradients
 
     def record(self, eqn, sources) -> None:
         """Each output of ``eqn`` takes the join of its counted operands' sources."""
         out = join(s for s, v in zip(sources, eqn.invars, strict=True) if _counts(v))
         self.env.update({v: out for v in eqn.outvars})
+        if _in_backward_pass(eqn):
+            self.gradients.update(eqn.outvars)
 
 
 def results(jaxpr, inputs: tuple) -> list:

@@ -29,10 +29,10 @@ contraction of that program; such a backward contraction is paired with the forw
 whose operand shapes and dimension numbers it transposes (named scopes preferred, outcomes
 required to agree, as above).
 
-The same pass records what tells a weight from an activation where the inputs a value is computed
-from do not (:mod:`scalify.amp._sources`: a point moved along a gradient taken inside mixes every
-input): which forward contractions read each operand of each forward contraction, and which
-operands are computed, outside the backward pass, from a forward contraction's output.
+The same pass records which forward contractions read each operand of each forward contraction:
+a value an earlier contraction took as its activation is not a weight at a later one
+(:meth:`Transposes.taken_as_activation`; a sampler's data, read at the first position's gradient
+and again at a position computed from it).
 
 :class:`Transposes` finds the candidates once per call, before the walk; the walker
 records, at each forward contraction, what the recipe made of it (:meth:`Transposes.decide`), and
@@ -158,11 +158,6 @@ class Transposes:
         self._forwards: list[tuple[object, tuple]] = []
         # the forward contractions that read each operand of each forward contraction (itself included)
         self._readers: dict[int, tuple[tuple[_Tag, ...], ...]] = {}
-        # values computed, outside the backward pass, from a forward contraction's output (activations,
-        # not weights: a weight moved along its gradient mixes inputs, but through gradients only),
-        # and for each forward contraction, which of its operands is one
-        self._activations: set = set()
-        self._reads_activation: dict[int, tuple[bool, ...]] = {}
         self._recomputed: set = set()
         self._closed = closed
         self._scan(closed.jaxpr, {}, False, ())
@@ -190,11 +185,6 @@ class Transposes:
                 if d is not None and tag.side == (1 if d.unswap is not None else 0):
                     return True
         return False
-
-    def reads_activation(self, eqn) -> tuple[bool, ...]:
-        """For each operand of the forward contraction ``eqn``: whether it was computed, outside the
-        backward pass, from a forward contraction's output."""
-        return self._reads_activation.get(id(eqn), (True,) * len(eqn.invars))
 
     def resolve(self, eqn):
         """``(partner, decision)`` for the backward contraction ``eqn``, or ``None`` when it has no
@@ -246,18 +236,11 @@ class Transposes:
                 )
                 for side, v in enumerate(eqn.invars):
                     _add(tags, v, (_Tag(eqn, side, False, here),))
-                acts = tuple(self._is_activation(v) for v in eqn.invars)
-                seen_acts = self._reads_activation.get(id(eqn), acts)
-                self._reads_activation[id(eqn)] = tuple(a or b for a, b in zip(seen_acts, acts, strict=True))
-                if not inside:
-                    self._activations.update(eqn.outvars)
             elif eqn.primitive is lax.rev_p:  # the input gradient of a convolution reverses its weight
                 flipped = tuple(t._replace(reversed=not t.reversed) for t in _read(tags, eqn.invars[0]))
                 _add(tags, eqn.outvars[0], flipped)
             elif _walk.has_sub_jaxprs(eqn):
                 self._into(eqn, tags, inside, here)
-            elif not inside and any(self._is_activation(v) for v in eqn.invars):
-                self._activations.update(eqn.outvars)
 
     def _into(self, eqn, tags: dict, transposed: bool, scopes: tuple) -> None:
         """Scan ``eqn``'s sub-jaxprs with its operands' tags, then carry back the tags their invars
@@ -271,23 +254,13 @@ class Transposes:
             for v, i in zip(j.invars, operands, strict=True):
                 if i is not None:
                     _add(inner, v, _read(tags, eqn.invars[i]))
-                if not transposed and (i is None or self._is_activation(eqn.invars[i])):
-                    self._activations.add(v)  # a loop carry may be one after the first iteration
             self._scan(j, inner, transposed, scopes)
-            if not transposed:
-                mapped = {o: v for v, o in zip(j.outvars, results, strict=True) if o is not None}
-                self._activations.update(
-                    out for o, out in enumerate(eqn.outvars) if o not in mapped or self._is_activation(mapped[o])
-                )
             for v, i in zip(j.invars, operands, strict=True):
                 if i is not None:
                     _add(tags, eqn.invars[i], _read(inner, v))
             for v, o in zip(j.outvars, results, strict=True):
                 if o is not None:
                     _add(tags, eqn.outvars[o], _read(inner, v))
-
-    def _is_activation(self, v) -> bool:
-        return not isinstance(v, jc.Literal) and v in self._activations
 
     @staticmethod
     def _match(eqn, tags, scopes: tuple) -> tuple[Partner, ...]:
@@ -335,9 +308,6 @@ class Site(NamedTuple):
 
     def taken_as_activation(self, side: int) -> bool:
         return self.transposes.taken_as_activation(self.eqn, side)
-
-    def reads_activation(self) -> tuple[bool, ...]:
-        return self.transposes.reads_activation(self.eqn)
 
 
 def _read(tags: dict, v) -> tuple:

@@ -74,8 +74,8 @@ class RecipeContraction(BindRule):
         plain = lambda: (primitive.bind(*invals, **params), None)
         if not (_is_float(x) and _is_float(w)):
             return plain()
-        if self.recipe.weights_only and sources and not _has_weight(sources, site):
-            # No operand is a weight (both are activations, or one is a constant): not a linear layer.
+        if self.recipe.weights_only and sources and 1 not in sources:
+            # No operand is a weight (both mix inputs, or one is a constant): not a linear layer.
             return plain()
         if self.recipe.weights_only and _times_a_vector(primitive, params, x.ndim, w.ndim):
             # A weight times a vector (a spectral norm's power iteration, W v and u W) is no linear
@@ -148,27 +148,13 @@ class RecipeContraction(BindRule):
         return op.emulated(*operands, *rest).astype(out_avals[0].dtype)
 
 
-def _has_weight(sources, site) -> bool:
-    """Whether an operand is a weight: computed from one input of the function, or from several
-    but from no contraction's output (a weight moved along a gradient taken inside)."""
-    if 1 in sources:
-        return True
-    return site is not None and any(n == 2 and not a for n, a in zip(sources, site.reads_activation(), strict=False))
-
-
 def _weight_first(primitive, params, sources, site) -> bool:
     """Whether a ``dot_general``'s lhs is its weight: computed from one input while the rhs mixes
-    several, and not taken as an activation by an earlier contraction. (A gradient at a point
-    computed from a gradient, a sharpness-aware step's ``w + rho g`` or a sampler's next position,
-    mixes every input, and meets the batch that the first gradient's contraction took as its
-    activation.)"""
+    several, and not taken as an activation by an earlier contraction (a sampler's data, read at
+    the first position's gradient, then times a position that mixes the first and the momentum)."""
     if primitive is not lax.dot_general_p or params.get("out_sharding") is not None:
         return False
-    if tuple(sources) == (1, 2):
-        return site is None or not site.taken_as_activation(0)
-    # Both mix inputs: the lhs is the weight if it is computed from no contraction's output (a
-    # weight moved along its gradient) while the rhs is (an activation).
-    return site is not None and tuple(sources) == (2, 2) and site.reads_activation()[:2] == (False, True)
+    return tuple(sources) == (1, 2) and (site is None or not site.taken_as_activation(0))
 
 
 def _times_a_vector(primitive, params, lhs_ndim: int, rhs_ndim: int) -> bool:

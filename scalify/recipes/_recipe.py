@@ -60,8 +60,7 @@ class Recipe:
       high_precision_scopes: ``jax.named_scope`` names inside which contractions stay in the
         program's precision (for example an LM head).
       weights_only: if true, only contractions with a weight operand (one computed from a single
-        input of the applied function, or from several but from no contraction's output: a weight
-        moved along a gradient taken inside) follow the recipe; a product of two activations
+        input of the applied function) follow the recipe; a product of two activations
         (attention's scores and weighted values) keeps the program's precision, as torchao's and
         Transformer Engine's linear-layer swaps leave it.
       seed: seeds the stochastic rounding (with each GEMM's position and its operand's bits).

@@ -277,10 +277,10 @@ _MOVED = {"sam": _sam, "first_order_maml": _first_order_maml}
 @pytest.mark.parametrize("program", sorted(_MOVED))
 def test_a_gradient_at_a_point_moved_along_a_gradient(program, name):
     """A sharpness-aware step, and first-order MAML's meta-gradient, under the recipe equal the
-    same program around the applied loss's gradient, bit for bit. At a moved point the weights mix
-    every input of the step (the batch, through the earlier gradient): the walker tells them from
-    activations by where they come from (no forward contraction's output), and the batch from a
-    weight by the first point's layer, which took it as its activation. Before, the batch's weight
+    same program around the applied loss's gradient, bit for bit. A moved point's weights would
+    mix every input of the step (the batch, through the earlier gradient): the gradient counts as
+    no input there, as outside, and the batch stays the activation the first point's layer took
+    it as. Before, the batch's weight
     gradient raised the pairing error (the moved point's first layer had taken the batch as its
     weight), then the equinox layer's weight took an activation's roles there (NVFP4's tiles),
     and ``weights_only`` kept every layer after the first in float32 there."""

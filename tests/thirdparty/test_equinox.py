@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_sharpness_aware_step, check_update, run_loss
 
 eqx = pytest.importorskip("equinox", reason="equinox is not installed (pip install -e '.[test]')")
 
@@ -180,3 +180,10 @@ def test_filter_jit_step_returns_the_module(name):
     assert got[0].activation is jax.nn.relu
     assert_tree_close(array_leaves(got), array_leaves(expected), fmt, "model, state, optimizer state and loss")
     assert float(got[3]) == pytest.approx(float(expected[3]), rel=1e-5)
+
+
+def test_sharpness_aware_step_under_recipe(case):
+    """Both gradients of a sharpness-aware step taken inside ``recipes.apply``: the second at
+    parameters that mix every input of the step (through the first gradient) still runs each
+    GEMM in its roles (before, the step raised the pairing error)."""
+    check_sharpness_aware_step(case)

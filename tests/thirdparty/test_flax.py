@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_sharpness_aware_step, check_update, run_loss
 
 flax = pytest.importorskip("flax", reason="flax is not installed (pip install -e '.[test]')")
 from flax import linen as nn  # noqa: E402
@@ -111,3 +111,10 @@ def test_grad(case, fmt_name):
 @pytest.mark.slow
 def test_adam_update(case, fmt_name):
     check_update(STEPS, case, fmt_name)
+
+
+def test_sharpness_aware_step_under_recipe(case):
+    """Both gradients of a sharpness-aware step taken inside ``recipes.apply``: the second at
+    parameters that mix every input of the step (through the first gradient) still runs each
+    GEMM in its roles (before, the step raised the pairing error)."""
+    check_sharpness_aware_step(case)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from thirdparty_harness import Case, StepResults, check_grad, check_update, run_loss
+from thirdparty_harness import Case, StepResults, check_grad, check_sharpness_aware_step, check_update, run_loss
 
 K_MASK = -2.3819763e38  # the mask literal of Gemma's reference attention
 
@@ -160,3 +160,10 @@ def test_grad(case, fmt_name):
 @pytest.mark.slow
 def test_adam_update(case, fmt_name):
     check_update(STEPS, case, fmt_name)
+
+
+def test_sharpness_aware_step_under_recipe(case):
+    """Both gradients of a sharpness-aware step taken inside ``recipes.apply``: the second at
+    parameters that mix every input of the step (through the first gradient) still runs each
+    GEMM in its roles (before, the step raised the pairing error)."""
+    check_sharpness_aware_step(case)

@@ -20,6 +20,7 @@ from thirdparty_harness import (
     Case,
     StepResults,
     check_grad,
+    check_sharpness_aware_step,
     check_update,
     keras_step_with_the_recipe_on_the_loss,
     run_loss,
@@ -157,3 +158,10 @@ def test_model_fit_under_a_recipe(name):
         not np.allclose(w, f, rtol=0, atol=1e-5 * np.abs(f).max()) for w, f in zip(weights, f32_weights, strict=True)
     ]
     assert any(moved)
+
+
+def test_sharpness_aware_step_under_recipe(case):
+    """Both gradients of a sharpness-aware step taken inside ``recipes.apply``: the second at
+    parameters that mix every input of the step (through the first gradient) still runs each
+    GEMM in its roles (before, the step raised the pairing error)."""
+    check_sharpness_aware_step(case)

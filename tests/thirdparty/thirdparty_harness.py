@@ -406,6 +406,39 @@ def perturbed_gradient_cosines(case: Case, relative: float, seeds=(0, 1, 2)) -> 
 RECIPE_NOISE_FACTOR = 2.0
 
 
+# E4M3 row-wise operands and a float32 weight gradient: a weight and an activation take different
+# roles (the weight's gradient GEMM stays in float32, the activation's is quantized), so a step that
+# mistakes one for the other does not equal the reference below.
+SAM_RECIPE = recipes.FLOAT8_ROWWISE.replace(wgrad_lhs=None, wgrad_rhs=None)
+
+
+def sharpness_aware_gradient(loss: Callable, rho: float = 0.05) -> Callable:
+    """A sharpness-aware minimisation step's gradient (Foret et al., 2021): the gradient of ``loss``
+    at the parameters moved along their gradient by ``rho`` over its global norm. The second
+    gradient is taken at a point computed from the first."""
+
+    def gradient(params, batch):
+        g = jax.grad(loss)(params, batch)
+        norm = optax.global_norm(g)
+        return jax.grad(loss)(jax.tree.map(lambda w, d: w + rho * d / norm, params, g), batch)
+
+    return gradient
+
+
+def check_sharpness_aware_step(case: Case, recipe=SAM_RECIPE) -> None:
+    """``recipes.apply`` on a sharpness-aware step (both gradients taken inside) equals the same
+    step around the applied loss's gradient (``jax.grad(recipes.apply(loss))``, whose custom VJP
+    assigns the roles) bit for bit, and is not float32's (the recipe ran)."""
+    step = sharpness_aware_gradient(case.loss)
+    inside = flat_values(jax.jit(recipes.apply(step, recipe))(case.params, case.batch))
+    outside = flat_values(jax.jit(sharpness_aware_gradient(recipes.apply(case.loss, recipe)))(case.params, case.batch))
+    np.testing.assert_array_equal(inside, outside, err_msg=f"{case.name} under {recipe.name}: inside != outside")
+    expected = flat_values(jax.jit(step)(case.params, case.batch))
+    assert not np.allclose(inside, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max()), (
+        f"{case.name} under {recipe.name}: the gradient is float32's (nothing quantized)"
+    )
+
+
 def check_gradient_under_recipe(case: Case, recipe) -> dict:
     """``recipes.apply`` on a case's gradient, taken inside (a training step's form) and outside
     (``jax.grad(recipes.apply(loss))``): the two are equal bit for bit (a backward rule JAX calls
