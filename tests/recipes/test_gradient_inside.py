@@ -243,7 +243,8 @@ def _sam(loss, rho=0.05, lr=0.1):
 
     def step(p, x):
         g = jax.grad(loss)(p, x)
-        moved = jax.tree.map(lambda w, d: w + rho * d / optax.global_norm(g), p, g)
+        norm = optax.global_norm(g)
+        moved = jax.tree.map(lambda w, d: w + rho * d / norm, p, g)
         return jax.tree.map(lambda w, d: w - lr * d, p, jax.grad(loss)(moved, x))
 
     return step
@@ -280,10 +281,10 @@ def test_a_gradient_at_a_point_moved_along_a_gradient(program, name):
     same program around the applied loss's gradient, bit for bit. A moved point's weights would
     mix every input of the step (the batch, through the earlier gradient): the gradient counts as
     no input there, as outside, and the batch stays the activation the first point's layer took
-    it as. Before, the batch's weight
-    gradient raised the pairing error (the moved point's first layer had taken the batch as its
-    weight), then the equinox layer's weight took an activation's roles there (NVFP4's tiles),
-    and ``weights_only`` kept every layer after the first in float32 there."""
+    it as. Before, the batch's weight gradient raised the pairing error (the moved point's first
+    layer had taken the batch as its weight), then the equinox layer's weight took an activation's
+    roles there (NVFP4's tiles), and ``weights_only`` kept every layer after the first in float32
+    there."""
     recipe, make = RECIPES[name], _MOVED[program]
     got = recipes.apply(make(_sam_loss), recipe)(_SAM_W, X[:, :64])
     _assert_trees_equal(got, make(recipes.apply(_sam_loss, recipe))(_SAM_W, X[:, :64]))
