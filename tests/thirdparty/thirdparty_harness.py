@@ -78,6 +78,7 @@ STEP_ROTATION = {
     "test_keras": ("fp8_e5m2", "mxfp6_e2m3", "mxint8"),
     "test_haiku": ("bf16", "mxfp8_e5m2", "mxfp6_e3m2"),
     "test_penzai": ("fp8_e5m2", "mxfp6_e3m2"),
+    "test_haliax": ("bf16", "mxint8"),
 }
 # Suites whose step runs for these formats only: what they add to the suite is rules that dequantize
 # or fold to per-tensor whatever the format (scatter-max, the factorizations); every family's path
