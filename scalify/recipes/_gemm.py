@@ -80,8 +80,18 @@ def conv_aims(params, lhs_ndim: int, rhs_ndim: int) -> dict[str, _Aim]:
 
 
 def digest(x):
-    """A wrapping int32 sum of ``x``'s float32 bit patterns: changes whenever ``x`` does."""
-    return jnp.sum(lax.bitcast_convert_type(x.astype(_F32), jnp.int32), dtype=jnp.int32)
+    """A wrapping int32 sum of ``x``'s float32 sign and mantissa bits: changes whenever an element's
+    sign or significand does, and not when ``x`` is multiplied by a power of two.
+
+    A loss scaler's ``2**k`` (normal range) moves each nonzero element's exponent field by ``k``
+    and leaves the other bits, so the stochastic-rounding draws stay as they were, and the
+    rounding, whose scales follow the amax, gives the unscaled operand times ``2**k`` bit for bit.
+    (The exponent fields are left out rather than taken relative to the largest: that costs two
+    more passes over a gradient, 10% of an NVFP4 MLP's step on a CPU; an element that alone
+    doubles or halves is all it misses.)
+    """
+    bits = lax.bitcast_convert_type(x.astype(_F32), jnp.int32)
+    return jnp.sum(bits & np.int32(-0x7F800001), dtype=jnp.int32)  # 0x807FFFFF: sign and mantissa
 
 
 class _View(NamedTuple):

@@ -284,10 +284,19 @@ def test_a_gradient_at_a_point_moved_along_a_gradient(program, name):
     it as. Before, the batch's weight gradient raised the pairing error (the moved point's first
     layer had taken the batch as its weight), then the equinox layer's weight took an activation's
     roles there (NVFP4's tiles), and ``weights_only`` kept every layer after the first in float32
-    there."""
+    there.
+
+    Compared as two programs compiled apart (``compiled=True``): the moved point is computed from
+    a gradient whose reductions (the bias's, the global norm) XLA may sum in another order in
+    each, and a point one ulp away moves a per-tensor FP8 scale by an ulp (bit for bit on an Intel
+    CPU with AVX-512; on an AMD EPYC without it, up to 2.4e-6 of a leaf's largest value). For the
+    same reason NVFP4's stochastic rounding is off here: its draws are keyed by the bits of the
+    gradient, so an ulp anywhere gives another draw (relative differences of order one); its
+    16x16 tiles and Hadamard transform still tell the roles apart."""
     recipe, make = RECIPES[name], _MOVED[program]
+    recipe = recipe.replace(stochastic_rounding=frozenset())
     got = recipes.apply(make(_sam_loss), recipe)(_SAM_W, X[:, :64])
-    _assert_trees_equal(got, make(recipes.apply(_sam_loss, recipe))(_SAM_W, X[:, :64]))
+    _assert_trees_equal(got, make(recipes.apply(_sam_loss, recipe))(_SAM_W, X[:, :64]), compiled=True)
 
 
 def test_one_jitted_function_at_two_sites_the_recipe_treats_apart_raises():
