@@ -288,8 +288,8 @@ def test_a_gradient_at_a_point_moved_along_a_gradient(program, name):
 
     Compared as two programs compiled apart (``compiled=True``): the moved point is computed from
     a gradient whose reductions (the bias's, the global norm) XLA may sum in another order in
-    each, and a point one ulp away moves a per-tensor FP8 scale by an ulp (bit for bit on an Intel
-    CPU with AVX-512; on an AMD EPYC without it, ulps: 2.4e-6 relative at most). For the
+    each, and a point one ulp away moves a per-tensor FP8 scale by an ulp (bit for bit on the VM it
+    was written on; on a 2-core AMD EPYC VM, ulps: 2.4e-6 relative at most). For the
     same reason NVFP4's stochastic rounding is off here: its draws are keyed by the bits of the
     gradient, so an ulp anywhere gives another draw (relative differences of order one); its
     16x16 tiles and Hadamard transform still tell the roles apart."""
