@@ -10,12 +10,13 @@ commutes with a power of two exactly, away from overflow and underflow:
   alike, MX), ``448 / (amax * s) = (448 / amax) / s`` in float32 (torchao's tensorwise and
   row-wise FP8), ``amax * s / 2688 = (amax / 2688) * s`` (NVFP4's tensor scale), so the elements,
   ``x * s / (scale * s)``, are the unscaled ones bit for bit;
-* the random Hadamard transform is linear; stochastic rounding draws its bits from the key and
-  the position, not the value; float32 sums and products of values times ``s`` are the unscaled
-  ones times ``s``.
+* the random Hadamard transform is linear; stochastic rounding draws its bits from a key hashed
+  from the operand's sign and mantissa bits, which ``s`` leaves, and from the position; float32
+  sums and products of values times ``s`` are the unscaled ones times ``s``.
 
-So ``grad(loss * s) / s`` equals ``grad(loss)`` bit for bit, under every built-in recipe, with the
-gradient taken inside or outside ``recipes.apply`` and through the loss scalers people use. A
+So ``grad(loss * s) / s`` equals the same compiled program's gradient at ``s = 1`` bit for bit,
+under every built-in recipe, with the gradient taken inside or outside ``recipes.apply`` and
+through the loss scalers people use. A
 recipe step whose scale had a floor or an epsilon (``max(amax, eps)``), or a constant that is not a
 power of two applied before rounding, would fail this for small ``s``.
 """
@@ -125,7 +126,7 @@ def test_a_power_of_two_loss_scale_changes_no_bit(name):
 def test_below_torchaos_amax_floor_the_scale_shows():
     """torchao's float8 recipes clamp each amax at ``1e-12`` (``FLOAT8_TENSORWISE`` follows it bit
     for bit): a cotangent scaled below the floor takes the floor's scale, so a loss scale of
-    ``2**-40`` (the first layer's output gradient's amax near 1e-15) changes its rounding, where
+    ``2**-40`` (the first layer's output gradient's amax, 2.0e-3, becomes 1.8e-15) changes its rounding, where
     MXFP8, whose E8M0 scales reach 2**-127, keeps every bit: the property above holds for every
     recipe only above the floor."""
     p, x, y = _problem()
