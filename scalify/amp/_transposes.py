@@ -18,8 +18,10 @@ output and the dimension numbers the rule gives, transposes it.
 
 One operand can feed several forward contractions of one output shape (a gated MLP's gate and up
 projections read the same activations): the candidates whose ``jax.named_scope`` path is the
-backward contraction's are preferred, and where several remain they must agree on what the recipe
-made of them.
+backward contraction's are preferred, and where several remain they must agree on the backward
+GEMM the recipe makes of them (one constant read by two contractions that order the other
+operand's summed axes differently, as e3nn's tensor products read a Clebsch-Gordan tensor, has one
+input gradient for both).
 
 Under ``jax.checkpoint`` the backward pass recomputes the forward values it needs (JAX scopes
 them ``rematted_computation``): those contractions are forward ones. A forward contraction whose
@@ -186,18 +188,25 @@ class Transposes:
                     return True
         return False
 
-    def resolve(self, eqn):
+    def resolve(self, eqn, backward=None):
         """``(partner, decision)`` for the backward contraction ``eqn``, or ``None`` when it has no
         forward candidate. ``decision`` is ``None`` where the forward kept the program's precision
         (also when no rule bound it: a high-precision scope, ``amp_stop``). Raises ``ValueError``
-        when the candidates' outcomes differ."""
+        when the candidates' outcomes differ.
+
+        ``backward(partner, decision)``: what the backward contraction computes given that
+        candidate (hashable; by default the decision and the partner's sides). Candidates that
+        compute the same are one outcome: two forward contractions that read one constant and differ
+        only in how the other operand's axes are ordered (``jnp.einsum`` with a shared coefficient
+        tensor) transpose to the same backward GEMM, whichever of them ``eqn`` belongs to."""
         partners = self._partners.get(id(eqn), ())
         if not partners:
             return None
+        backward = backward or (lambda p, d: (d, p.residual, p.grad_of))
         outcomes: dict = {}
         for p in partners:
             for d in self._decisions.get(id(p.forward), [None]):
-                outcomes.setdefault(None if d is None else (d, p.residual, p.grad_of), (p, d))
+                outcomes.setdefault(None if d is None else backward(p, d), (p, d))
         if len(outcomes) > 1:
             where = ", ".join(
                 sorted({"/".join(jc.scope_names(p.forward.source_info.name_stack)) or "no scope" for p in partners})
@@ -300,8 +309,8 @@ class Site(NamedTuple):
     transposes: Transposes
     eqn: object
 
-    def resolve(self):
-        return self.transposes.resolve(self.eqn)
+    def resolve(self, backward=None):
+        return self.transposes.resolve(self.eqn, backward)
 
     def decide(self, decision) -> None:
         self.transposes.decide(self.eqn, decision)

@@ -60,7 +60,7 @@ class RecipeContraction(BindRule):
             # A grouped (depthwise) convolution, and its gradients, which JAX also writes as grouped
             # convolutions: no linear layer's GEMM (torchao and TE convert linear layers only).
             return [primitive.bind(*invals, **params)]
-        paired = None if site is None else site.resolve()
+        paired = None if site is None else site.resolve(_backward_gemm)
         if paired is not None:
             return [self._backward(primitive, invals, params, out_avals, scopes, *paired)]
         y, decision = self._forward(primitive, invals, params, out_avals, scopes, sources, site)
@@ -119,9 +119,7 @@ class RecipeContraction(BindRule):
         if decision is None:
             return primitive.bind(*invals, **params)
         g, r, rest = invals[1 - partner.residual], invals[partner.residual], invals[2:]
-        # The walker's weight is the program's rhs, or its lhs when it bound the weight first.
-        weight = 0 if decision.unswap is not None else 1
-        gemm = "wgrad" if partner.grad_of == weight else "dgrad"
+        gemm = _gemm_of(partner, decision)
         if self.recipe.out_dtype is not None:  # the custom VJP's cotangent is that of the rounded output
             g = g.astype(self.recipe.out_dtype)
         if decision.unswap is not None:  # dy in the layout of the contraction the recipe ran
@@ -146,6 +144,26 @@ class RecipeContraction(BindRule):
         operands = (gq, rq) if partner.residual == 1 else (rq, gq)
         op = Contraction(primitive, tuple(sorted(params.items())))
         return op.emulated(*operands, *rest).astype(out_avals[0].dtype)
+
+
+def _gemm_of(partner, decision) -> str:
+    """``"dgrad"`` or ``"wgrad"``: the backward GEMM a contraction paired with ``partner`` is. The
+    walker's weight is the program's rhs, or its lhs when it bound the weight first."""
+    weight = 0 if decision.unswap is not None else 1
+    return "wgrad" if partner.grad_of == weight else "dgrad"
+
+
+def _backward_gemm(partner, decision):
+    """What :meth:`RecipeContraction._backward` computes for a backward ``dot_general`` paired with
+    ``partner``: the GEMM, the roles' axes (as :func:`transposed_operands` quantizes along them),
+    the weight's side and which operand is the residual. The backward's operand shapes are its
+    own. Convolutions and grouped GEMMs read more of the forward (kernel reversal, group layout):
+    their whole decision."""
+    if decision.op.primitive is not lax.dot_general_p:
+        return decision, partner.residual, partner.grad_of
+    gemm = _gemm_of(partner, decision)
+    aims = decision.op.aims(len(decision.x_shape), len(decision.w_shape))
+    return gemm, aims[f"{gemm}_lhs"], aims[f"{gemm}_rhs"], decision.unswap, partner.residual
 
 
 def _weight_first(primitive, params, sources, site) -> bool:

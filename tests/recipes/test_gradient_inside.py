@@ -170,6 +170,20 @@ def _gram(p, x):
     return jnp.mean(lax.dot_general(h, h, (((1,), (1,)), ((), ()))) ** 2)
 
 
+_COEFFICIENTS = _data((8, 1, 8), 10)
+
+
+def _shared_constant(p, x):
+    """One constant coefficient tensor read by two contractions whose other operands order its
+    summed axes differently (e3nn's tensor products: ``jnp.einsum("...ui,...uj,ijk->...uk")`` of
+    each pair of irreps against one Clebsch-Gordan tensor). Both input gradients are the same
+    ``dot_general(dy, C)``, whichever forward each transposes."""
+    h = jnp.tanh(x @ p["w0"]).reshape(32, 8, 8)
+    y1 = lax.dot_general(h[..., None], _COEFFICIENTS, (((2, 3), (0, 1)), ((), ())))
+    y2 = lax.dot_general(jnp.sin(h)[:, :, None, :], _COEFFICIENTS, (((3, 2), (0, 1)), ((), ())))
+    return jnp.mean((y1 * y2) ** 2)
+
+
 def _remat_convs(p, x):
     """Rematerialised convolutions whose inputs and outputs share a shape (a ResNet block's)."""
     block = jax.checkpoint(lambda k, x: jnp.tanh(_conv(x, k)))
@@ -202,6 +216,7 @@ HARD = {
     # The stochastically rounded cases below still compare bit for bit.
     "shared_weight_bound_first": (_shared_weight, recipes.NVFP4.replace(stochastic_rounding=()), _W, X[:, :64]),
     "gram_matrix": (_gram, recipes.NVFP4, _W, X[:, :64]),
+    "shared_constant_rowwise": (_shared_constant, recipes.FLOAT8_ROWWISE, _W, X[:, :64]),
     "rematerialised_convs": (_remat_convs, recipes.NVFP4, _K, _XI),
     "grouped_conv_kept": (_grouped_conv, recipes.NVFP4, _K, _XI),
     "remat_residual_float8": (_remat_residual, recipes.FLOAT8_TENSORWISE, _W, X[:, :64]),
@@ -230,7 +245,8 @@ def test_hard_pairings_match_the_custom_vjp(name):
     convolution (kept in the program's precision, both ways), ``out_dtype`` (the cotangent of the
     rounded output) and a stochastically rounded kernel read reversed by the input gradient; then
     (found on penzai's checkpointed blocks) a weight gradient reading an activation remat recomputed
-    for it alone."""
+    for it alone; and (found on e3nn's tensor products, where it raised the pairing error) one
+    constant read by two contractions that transpose to the same backward GEMM."""
     loss, recipe, params, x = HARD[name]
     got = recipes.apply(lambda p, x: jax.value_and_grad(loss)(p, x), recipe)(params, x)
     _assert_trees_equal(got, jax.value_and_grad(recipes.apply(loss, recipe))(params, x))
