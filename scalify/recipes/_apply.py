@@ -156,9 +156,9 @@ def _gemm_of(partner, decision) -> str:
 def _backward_gemm(partner, decision):
     """What :meth:`RecipeContraction._backward` computes for a backward ``dot_general`` paired with
     ``partner``: the GEMM, the roles' axes (as :func:`transposed_operands` quantizes along them),
-    the weight's side and which operand is the residual. The backward's operand shapes are its
-    own. Convolutions and grouped GEMMs read more of the forward (kernel reversal, group layout):
-    their whole decision."""
+    the weight's side and which operand is the residual. The operands it quantizes are the
+    backward's own (the forward's shapes name them in an error message only). Convolutions and
+    grouped GEMMs read more of the forward (kernel reversal, group layout): their whole decision."""
     if decision.op.primitive is not lax.dot_general_p:
         return decision, partner.residual, partner.grad_of
     gemm = _gemm_of(partner, decision)

@@ -17,8 +17,8 @@ first), and every parameter is a small matrix (32 x 32 to 128 x 32), one per pat
 Found here: under a recipe, the gradient taken inside a step raised the pairing error on the
 tensor products (one Clebsch-Gordan constant read by two contractions whose other operands order
 its axes differently: their input gradients are one and the same backward GEMM). Fixed in
-``scalify.amp._transposes`` (candidates are compared by the backward GEMM they give); the
-same-shaped program without e3nn is ``tests/recipes/test_gradient_inside.py``'s
+``scalify.recipes._apply`` (candidates are compared by the backward GEMM they give, through a hook
+of ``scalify.amp._transposes``); the same-shaped program without e3nn is ``tests/recipes/test_gradient_inside.py``'s
 ``shared_constant_rowwise``.
 """
 
@@ -148,9 +148,9 @@ def test_adam_update(case, fmt_name):
 @pytest.mark.slow
 def test_the_energys_gradient_taken_inside_equals_outside(system):
     """The tensor products' shared Clebsch-Gordan constants (the pairing error this suite found):
-    a step that takes the energy's gradient inside ``recipes.apply`` equals ``jax.grad`` of the
-    applied loss bit for bit, under row-wise scales (whose axes differ between the two forward
-    contractions that read one constant), and is within the recipe bar of float32's."""
+    a step that takes the energy's gradient inside ``recipes.apply`` (which raised the pairing
+    error) equals ``jax.grad`` of the applied loss bit for bit, and is within the recipe bar of
+    float32's."""
     check_gradient_under_recipe(Case("e3nn_energy", energy_loss, *system), recipes.FLOAT8_ROWWISE)
 
 
