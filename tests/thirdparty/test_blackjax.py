@@ -39,15 +39,15 @@ from thirdparty_harness import (
     FAMILY_REPRESENTATIVES,
     FORMAT_NAMES,
     PROPAGATION_RTOL,
-    RECIPE_NOISE_FACTOR,
     Case,
+    assert_recipe_distance,
     assert_tree_close,
     balanced_cosine,
     check_gradient_under_recipe,
     dequantize_tree,
-    format_unit_roundoff,
     n_scaled,
     quantize_tree,
+    recipe_rounding,
 )
 
 import qformats as qf
@@ -371,14 +371,9 @@ def test_mfvi_step_under_recipe(recipe_name):
         for a, b in zip(jax.tree.leaves(jax.jit(outside.step)(key, state)), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(a, b)
     reference = _elbo_gradient(state, jax.jit(vi.step)(key, state)[0])
-    relative = max(format_unit_roundoff(recipe.format_of(r)) for r in recipes.ROLES if recipe.format_of(r))
+    relative = recipe_rounding(recipe)
     probes = [balanced_cosine(_mfvi_probe(state, key, relative, seed), reference) for seed in range(3)]
-    cos = balanced_cosine(_elbo_gradient(state, got[0]), reference)
-    ratio = (1 - cos) / (1 - float(np.median(probes)))
-    assert ratio <= RECIPE_NOISE_FACTOR, (
-        f"ELBO gradient cosine {cos:.4f} under {recipe_name}; probes {', '.join(f'{c:.4f}' for c in probes)}: "
-        f"{ratio:.2f}x the median's distance"
-    )
+    assert_recipe_distance(f"ELBO under {recipe_name}", _elbo_gradient(state, got[0]), reference, probes)
 
 
 # -- SGLD ----------------------------------------------------------------------------------------------

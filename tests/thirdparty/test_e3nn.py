@@ -18,8 +18,8 @@ Found here: under a recipe, the gradient taken inside a step raised the pairing 
 tensor products (one Clebsch-Gordan constant read by two contractions whose other operands order
 its axes differently: their input gradients are one and the same backward GEMM). Fixed in
 ``scalify.recipes._apply`` (candidates are compared by the backward GEMM they give, through a hook
-of ``scalify.amp._transposes``); the same-shaped program without e3nn is ``tests/recipes/test_gradient_inside.py``'s
-``shared_constant_rowwise``.
+of ``scalify.amp._transposes``); the same-shaped program without e3nn is
+``tests/recipes/test_gradient_inside.py``'s ``shared_constant_rowwise``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from thirdparty_harness import (
-    RECIPE_NOISE_FACTOR,
     Case,
     StepResults,
-    balanced_cosine,
+    assert_recipe_distance,
     check_grad,
     check_gradient_under_recipe,
     check_update,
-    format_unit_roundoff,
+    flat_values,
     perturbed_gradient_cosines,
+    recipe_rounding,
     run_loss,
 )
 
@@ -158,13 +158,11 @@ def _second_order_under_recipe(case: Case, recipe) -> dict:
     """The force-matching gradient under ``recipe`` in both orders. They differentiate different
     programs (inside, JAX transposes the walked backward GEMMs of the forces; outside, the recipe's
     straight-through VJP: docs/recipes.md, "Second-order derivatives"), so they are not bit for bit
-    alike: each must be finite, not float32's, and its distance from float32's gradient (1 - cosine,
-    :func:`balanced_cosine`) at most :data:`RECIPE_NOISE_FACTOR` times the program's own sensitivity
-    at the recipe's coarsest rounding (:func:`perturbed_gradient_cosines`), as the first-order
-    check's."""
+    alike: each must be finite, not float32's, and within the first-order check's bar
+    (:func:`assert_recipe_distance` against the probes of :func:`perturbed_gradient_cosines` at
+    the recipe's coarsest rounding)."""
     reference = jax.jit(jax.grad(case.loss))(case.params, case.batch)
-    relative = max(format_unit_roundoff(recipe.format_of(r)) for r in recipes.ROLES if recipe.format_of(r))
-    noise = float(np.median(perturbed_gradient_cosines(case, relative)))
+    noise = perturbed_gradient_cosines(case, recipe_rounding(recipe))
     out = {"noise": noise}
     programs = {
         "inside": recipes.apply(jax.grad(case.loss), recipe),
@@ -172,15 +170,9 @@ def _second_order_under_recipe(case: Case, recipe) -> dict:
     }
     for order, program in programs.items():
         got = jax.jit(program)(case.params, case.batch)
-        flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(got)])
-        assert np.isfinite(flat).all(), f"{recipe.name} {order}: NaN/Inf in the gradient"
-        cos = balanced_cosine(got, reference)
+        assert np.isfinite(flat_values(got)).all(), f"{recipe.name} {order}: NaN/Inf in the gradient"
+        cos, ratio = assert_recipe_distance(f"{case.name} under {recipe.name} ({order})", got, reference, noise)
         assert cos < 1 - 1e-6, f"{recipe.name} {order}: the gradient is float32's (nothing quantized)"
-        ratio = (1 - cos) / (1 - noise)
-        assert ratio <= RECIPE_NOISE_FACTOR, (
-            f"{recipe.name} {order}: cosine {cos:.4f} with float32's gradient, {ratio:.2f}x the distance "
-            f"random +-{relative:g} noise on the parameters gives (median cosine {noise:.4f})"
-        )
         out[order] = (cos, ratio)
     return out
 

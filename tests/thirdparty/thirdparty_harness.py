@@ -405,6 +405,26 @@ def perturbed_gradient_cosines(case: Case, relative: float, seeds=(0, 1, 2)) -> 
     return out
 
 
+def recipe_rounding(recipe) -> float:
+    """A recipe's coarsest rounding: the largest unit roundoff of its roles' elements
+    (FLOAT8_TENSORWISE's E5M2 gradients, 2**-3)."""
+    return max(format_unit_roundoff(recipe.format_of(role)) for role in recipes.ROLES if recipe.format_of(role))
+
+
+def assert_recipe_distance(what: str, got, reference, probes) -> tuple[float, float]:
+    """``(cosine, ratio)``: :func:`balanced_cosine` of the gradient ``got`` under a recipe with
+    float32's ``reference``, and its distance (1 - cosine) over the median probe's (``probes``: the
+    cosines random noise at the recipe's rounding gives); asserts the ratio is at most
+    :data:`RECIPE_NOISE_FACTOR`."""
+    cos = balanced_cosine(got, reference)
+    ratio = (1 - cos) / (1 - float(np.median(probes)))
+    assert ratio <= RECIPE_NOISE_FACTOR, (
+        f"{what}: gradient cosine {cos:.4f} with float32's; probes {', '.join(f'{c:.4f}' for c in probes)}: "
+        f"{ratio:.2f}x the median's distance, above {RECIPE_NOISE_FACTOR}x"
+    )
+    return cos, ratio
+
+
 # The recipe rounds the operands of three GEMMs per layer (forward, input and weight gradients),
 # activations and gradients included; the probes perturb the parameters once. Its gradient's distance from float32's
 # (1 - cosine) may be this many times the median probe's.
@@ -465,13 +485,6 @@ def check_gradient_under_recipe(case: Case, recipe) -> dict:
     assert not np.allclose(inside, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max()), (
         f"{case.name} under {recipe.name}: the gradient is float32's (nothing quantized)"
     )
-    relative = max(format_unit_roundoff(recipe.format_of(role)) for role in recipes.ROLES if recipe.format_of(role))
-    noise = perturbed_gradient_cosines(case, relative)
-    got = balanced_cosine(inside_tree, expected_tree)
-    ratio = (1 - got) / (1 - float(np.median(noise)))
-    assert ratio <= RECIPE_NOISE_FACTOR, (
-        f"{case.name} under {recipe.name}: gradient cosine {got:.4f} with float32's; under +-{relative:g} "
-        f"relative noise on the parameters and data {', '.join(f'{c:.4f}' for c in noise)}: "
-        f"{ratio:.2f}x the median's distance, above {RECIPE_NOISE_FACTOR}x"
-    )
+    noise = perturbed_gradient_cosines(case, recipe_rounding(recipe))
+    got, ratio = assert_recipe_distance(f"{case.name} under {recipe.name}", inside_tree, expected_tree, noise)
     return {"cosine": got, "noise": noise, "ratio": ratio}
