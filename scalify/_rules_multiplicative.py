@@ -274,6 +274,23 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
     return (acc if keep_f32 else cast(acc, dtype)), r
 
 
+def _complex_valued(eqn) -> bool:
+    """Whether a contraction reads or writes complex values (``B @ u`` of a complex recurrence with
+    real features ``u``: JAX binds ``dot_general`` of complex64 and float32 operands with a complex64
+    accumulator)."""
+    return any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in (*eqn.invars, *eqn.outvars))
+
+
+def _complex_contraction(eqn, *operands):
+    """A contraction with a complex operand or output, on the float32 values of the scaled operands
+    with the equation's own parameters (its complex accumulator): plain complex output, as every
+    complex value under ``scalify`` (complex dtypes have no narrow form to carry). The real-valued
+    strategies accumulate in float32, which would drop the imaginary part."""
+    values = [x.to_array(F32) if isinstance(x, ScaledArray) else x for x in operands]
+    outs = bind_eqn(eqn, values)
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+
 @register_rule(
     p.dot_general_p,
     "multiplicative",
@@ -283,10 +300,14 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
     "on the measured amax outside [2^-7, 2^7] (float32 / bf16 with operand bounds known: the plain dot of the data, "
     "no allowance, no settle); float32 / bf16 carriers fold a scale varying along a contracted axis, and the "
     "operand with fewer free scales when both vary along free axes, to per-tensor first; narrower carriers with a "
-    "scale varying along a contracted axis: one float32 dot of the dequantized operands.",
+    "scale varying along a contracted axis: one float32 dot of the dequantized operands. A complex operand or "
+    "output (real features times a complex matrix): the float32 values, the equation's own accumulator, plain "
+    "complex output.",
     raw=True,
 )
 def _dot_general_rule(eqn, a, b):
+    if _complex_valued(eqn):
+        return _complex_contraction(eqn, a, b)
     how = _strategy(a, b)
     if how is not None:
         return _contraction.dot(eqn, a, b, how)
@@ -369,10 +390,13 @@ def _dot_general(eqn, a, b):
     "multiplicative",
     "operands in a format: ScalifyConfig.contraction's strategy (non-scalar factors multiplied into the values, "
     "one convolution with f32 accumulation, scalar factors scale the output). Carriers: folded to per-tensor; "
-    "conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; scale product * 2^k.",
+    "conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; scale product * 2^k. Complex: as "
+    "dot_general.",
     raw=True,
 )
 def _conv_rule(eqn, lhs, rhs):
+    if _complex_valued(eqn):
+        return _complex_contraction(eqn, lhs, rhs)
     how = _strategy(lhs, rhs, conv=True)
     if how is not None:
         return _contraction.conv(eqn, lhs, rhs, how)
@@ -409,6 +433,8 @@ if _ragged_dot_p is not None:
         order of float32 accumulation."""
         if isinstance(group_sizes, ScaledArray):
             group_sizes = dequant(group_sizes)
+        if _complex_valued(eqn):
+            return _complex_contraction(eqn, lhs, rhs, group_sizes)
         return _dequant_dot(eqn, lhs, rhs, group_sizes)
 
 
@@ -418,6 +444,8 @@ def _sparse_dot(eqn, *operands):
     accumulated in float32: stored values and indices are the matrix's operands, the product is
     bilinear in the stored values and the dense operand, so this is the blocked sum up to the order
     of float32 accumulation. The sparse outputs' indices stay plain."""
+    if _complex_valued(eqn):
+        return _complex_contraction(eqn, *operands)
     changes = {"preferred_element_type": _F32_DTYPE} if "preferred_element_type" in eqn.params else {}
     outs = bind_eqn_with(eqn, [dequant(x) for x in operands], **changes)
     outs = [

@@ -31,14 +31,23 @@ def _is_inexact(x) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+def _is_real_float(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
 def cast_if_float(dtype, value):
     """``value.astype(dtype)`` for a floating array of another dtype; anything else unchanged.
 
-    ``dtype`` is None for an operand whose type has no dtype (a captured hijax Variable, which
-    forwards ``.dtype`` to the value it holds): it is not an array to cast."""
-    if dtype is not None and _is_inexact(value) and value.dtype != jnp.dtype(dtype):
-        return lax.convert_element_type(value, dtype)
-    return value
+    A complex array is cast only to another complex dtype: casting it to a real one would drop its
+    imaginary part (jaxamp casts it, with NumPy's ``ComplexWarning``), and float16 and bfloat16 have
+    no complex counterpart. ``dtype`` is None for an operand whose type has no dtype (a captured
+    hijax Variable, which forwards ``.dtype`` to the value it holds): it is not an array to cast."""
+    if dtype is None or not _is_inexact(value) or value.dtype == jnp.dtype(dtype):
+        return value
+    if not _is_real_float(value) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        return value
+    return lax.convert_element_type(value, dtype)
 
 
 def cast_tree(dtype, tree):
@@ -55,12 +64,13 @@ def use_original_precision(compute_dtype, original_dtypes: Sequence[Any], *invar
 def use_compute_precision(compute_dtype, original_dtypes: Sequence[Any], *invars, **bind_params):
     """Run the operation in ``compute_dtype`` (jaxamp's rule).
 
-    If any input is not a floating array (an integer index, a boolean mask) the operation keeps the
-    program's dtypes (jaxamp left such inputs as they came, which breaks ``select_n`` after an earlier
-    low-precision op). Floating arrays in ``bind_params`` are cast too, and ``preferred_element_type``
-    becomes ``compute_dtype``.
+    If any input is not a real floating array (an integer index, a boolean mask, a complex value:
+    float16 has no complex form) the operation keeps the program's dtypes (jaxamp left integer
+    inputs as they came, which breaks ``select_n`` after an earlier low-precision op, and cast
+    complex ones to the real compute dtype, dropping their imaginary part). Floating arrays in
+    ``bind_params`` are cast too, and ``preferred_element_type`` becomes ``compute_dtype``.
     """
-    if not all(_is_inexact(v) for v in invars):
+    if not all(_is_real_float(v) for v in invars):
         return use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params)
     invars = cast_tree(compute_dtype, list(invars))
     bind_params = dict(cast_tree(compute_dtype, bind_params))

@@ -14,6 +14,7 @@ import qformats as qf
 from scalify.amp import (
     amp,
     amp_stop,
+    cast_tree,
     default_amp_policy,
     fake_quantize,
     matmul_amp_policy,
@@ -292,6 +293,35 @@ def test_integer_and_mixed_inputs_under_compute_policy():
 
     out = amp(fn, amp_policy={"amp_default": use_compute_precision})(_x(), jnp.array([0, 3]))
     assert out.dtype == jnp.float32 and np.isfinite(out)
+
+
+def test_complex_values_keep_their_precision():
+    """A linear recurrent unit's ``B @ u`` (real features, complex matrix) and ``exp`` of a complex
+    eigenvalue: float16 has no complex form, so they keep the program's precision under jaxamp's
+    policy and under every operation in low precision (jaxamp casts the complex operand to float16
+    and drops its imaginary part: relative error 0.98 on this product), while the real GEMM beside
+    them runs in float16. ``cast_tree`` leaves complex leaves as they are."""
+    c = lax.complex(_x((8, 8), 1), _x((8, 8), 2))
+    lam = lax.complex(jnp.full((8,), -0.1), jnp.linspace(0.0, 3.0, 8))
+
+    def fn(x, c, lam):
+        with jax.numpy_dtype_promotion("standard"):
+            h = (x @ x) @ c
+            return jnp.real(h * jnp.exp(lam * 0.5))
+
+    def low_precision_gemm_first(x, c, lam):
+        with jax.numpy_dtype_promotion("standard"):
+            h = (x.astype(jnp.float16) @ x.astype(jnp.float16)).astype(jnp.float32) @ c
+            return jnp.real(h * jnp.exp(lam * 0.5))
+
+    x = _x()
+    expected = low_precision_gemm_first(x, c, lam)
+    for policy in (None, {"amp_default": use_compute_precision}):
+        jaxpr = jax.make_jaxpr(amp(fn, amp_policy=policy))(x, c, lam)
+        assert prim_dtypes(jaxpr) == [(F16, F16), (F32, "complex64")]
+        assert prim_dtypes(jaxpr, "exp") == [("complex64",)]
+        np.testing.assert_array_equal(amp(fn, amp_policy=policy)(x, c, lam), expected)
+    assert cast_tree(jnp.float16, {"c": c, "x": x})["c"].dtype == jnp.complex64
 
 
 # -- dtype and format values --------------------------------------------------------------------------

@@ -195,6 +195,23 @@ def test_program_dtypes_are_kept_and_integer_dots_untouched():
     np.testing.assert_array_equal(recipes.apply(lambda a, b: a @ b, recipes.MXFP8)(xi, wi), xi @ wi)
 
 
+def test_complex_contractions_are_the_programs():
+    """A real activation times a complex matrix (a linear recurrent unit's ``B @ u``): a recipe's
+    formats are real, so the contraction and its gradients stay the program's, in both orders."""
+    c = jnp.asarray(_data((64, 32), 13) + 1j * _data((64, 32), 14), jnp.complex64)
+
+    def loss(x):
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.sum(jnp.abs(jnp.tanh(x) @ c) ** 2)
+
+    x = _data((32, 64), 15)
+    ref = jax.value_and_grad(loss)(x)
+    for r in (recipes.MXFP8, recipes.NVFP4, recipes.FLOAT8_ROWWISE):
+        for got in (jax.value_and_grad(recipes.apply(loss, r))(x), recipes.apply(jax.value_and_grad(loss), r)(x)):
+            np.testing.assert_array_equal(got[0], ref[0])
+            np.testing.assert_array_equal(got[1], ref[1])
+
+
 def test_out_dtype_rounds_each_gemm_result():
     r = recipes.MXFP8.replace(out_dtype=jnp.bfloat16)
     x, w = _data((16, 64), 7), _data((64, 32), 8)

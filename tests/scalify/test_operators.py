@@ -15,6 +15,36 @@ RNG = np.random.default_rng(0)
 X = (RNG.standard_normal((4, 32)) * 3).astype(np.float32)
 Y = (RNG.standard_normal((4, 32)) * 0.5).astype(np.float32)
 
+CMAT = jnp.asarray(RNG.standard_normal((32, 8)) + 1j * RNG.standard_normal((32, 8)), jnp.complex64) / 4
+
+
+def _standard(f):
+    """``f`` traced under JAX's default type promotion (real times complex promotes)."""
+
+    def g(*xs):
+        with jax.numpy_dtype_promotion("standard"):
+            return f(*xs)
+
+    return g
+
+
+def _parts(z):
+    """A complex array as its real and imaginary parts, stacked (the comparison is of reals)."""
+    return jnp.stack([jnp.real(z), jnp.imag(z)])
+
+
+def _lru(x):
+    """A diagonal complex linear recurrence over the rows of ``x`` (Orvieto et al.'s LRU):
+    ``h_t = lambda * h_{t-1} + B x_t`` by ``associative_scan``, output ``Re(C h_t)``."""
+    lam = jnp.exp(-0.1 + 1j * jnp.linspace(0.0, 3.0, 8)).astype(jnp.complex64)
+
+    def combine(p, q):
+        return q[0] * p[0], q[0] * p[1] + q[1]
+
+    _, h = jax.lax.associative_scan(combine, (jnp.broadcast_to(lam, (x.shape[0], 8)), x @ CMAT))
+    return jnp.real(h @ CMAT.T)
+
+
 UNARY = {
     "neg": lambda x: -x,
     "abs": jnp.abs,
@@ -73,6 +103,16 @@ UNARY = {
     "fft2_of_real": lambda x: jnp.imag(jnp.fft.fft2(x)),
     "rfft_irfft": lambda x: jnp.fft.irfft(jnp.fft.rfft(x, axis=-1) * jnp.arange(17, dtype=jnp.complex64), axis=-1),
     "complex_conj": lambda x: jnp.imag(jnp.conj(jax.lax.complex(x, x * 0.5))),
+    # Real features times a complex matrix (a linear recurrent unit's B @ u and C @ h): JAX binds
+    # dot_general(float32, complex64) with a complex accumulator; both parts of the product are
+    # compared. Formatted operand, carrier operand, complex on the left, and the gradient; traced
+    # with JAX's default ("standard") promotion, which mixes the two (the suite runs "strict").
+    "complex_matmul": _standard(lambda x: _parts(x @ CMAT)),
+    "complex_matmul_carrier": _standard(lambda x: _parts((x * 3.0) @ CMAT)),
+    "complex_matmul_left": _standard(lambda x: _parts(CMAT.T[:, :4] @ x)),
+    "complex_einsum": _standard(lambda x: _parts(jnp.einsum("bd,hd->bh", x, CMAT.T))),
+    "complex_matmul_grad": _standard(jax.grad(lambda x: jnp.sum(jnp.abs(x @ CMAT) ** 2))),
+    "complex_recurrence": _standard(lambda x: _lru(x)),
     "cumsum": lambda x: jnp.cumsum(x, axis=0),
     "cumsum_1": lambda x: jnp.cumsum(x, axis=1),
     "concat_self": lambda x: jnp.concatenate([x, -x], axis=0),
