@@ -276,8 +276,9 @@ def _contract(eqn, da, db, r: float, keep_f32: bool = False):
 
 def _complex_valued(eqn) -> bool:
     """Whether a contraction reads or writes complex values (``B @ u`` of a complex recurrence with
-    real features ``u``: JAX binds ``dot_general`` of complex64 and float32 operands with a complex64
-    accumulator)."""
+    real features ``u``: JAX binds ``dot_general``, ``ragged_dot_general`` and the sparse products
+    on a complex64 and a float32 operand with a complex64 accumulator; a convolution takes one
+    dtype, so a real ScaledArray never meets a complex kernel there)."""
     return any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in (*eqn.invars, *eqn.outvars))
 
 
@@ -390,13 +391,10 @@ def _dot_general(eqn, a, b):
     "multiplicative",
     "operands in a format: ScalifyConfig.contraction's strategy (non-scalar factors multiplied into the values, "
     "one convolution with f32 accumulation, scalar factors scale the output). Carriers: folded to per-tensor; "
-    "conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; scale product * 2^k. Complex: as "
-    "dot_general.",
+    "conv(data) in float32 / 2^k with 2^k ~ sqrt(kernel fan-in), rounded once; scale product * 2^k.",
     raw=True,
 )
 def _conv_rule(eqn, lhs, rhs):
-    if _complex_valued(eqn):
-        return _complex_contraction(eqn, lhs, rhs)
     how = _strategy(lhs, rhs, conv=True)
     if how is not None:
         return _contraction.conv(eqn, lhs, rhs, how)

@@ -33,6 +33,12 @@ def _parts(z):
     return jnp.stack([jnp.real(z), jnp.imag(z)])
 
 
+def _bcoo(x):
+    from jax.experimental import sparse
+
+    return sparse.BCOO.fromdense(x, nse=x.size)
+
+
 def _lru(x):
     """A diagonal complex linear recurrence over the rows of ``x`` (Orvieto et al.'s LRU):
     ``h_t = lambda * h_{t-1} + B x_t`` by ``associative_scan``, output ``Re(C h_t)``."""
@@ -113,6 +119,15 @@ UNARY = {
     "complex_einsum": _standard(lambda x: _parts(jnp.einsum("bd,hd->bh", x, CMAT.T))),
     "complex_matmul_grad": _standard(jax.grad(lambda x: jnp.sum(jnp.abs(x @ CMAT) ** 2))),
     "complex_recurrence": _standard(lambda x: _lru(x)),
+    # The other contractions JAX binds on a real and a complex operand: a grouped GEMM, a sparse product.
+    "complex_ragged_dot": _standard(
+        lambda x: _parts(
+            jax.lax.ragged_dot(
+                x.T, CMAT.reshape(4, 8, 8)[:, :4], jnp.array([8, 8, 8, 8]), preferred_element_type=jnp.complex64
+            )
+        )
+    ),
+    "complex_sparse_dot": _standard(lambda x: _parts(_bcoo(x) @ CMAT[:, 0])),
     "cumsum": lambda x: jnp.cumsum(x, axis=0),
     "cumsum_1": lambda x: jnp.cumsum(x, axis=1),
     "concat_self": lambda x: jnp.concatenate([x, -x], axis=0),
