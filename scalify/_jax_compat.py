@@ -7,6 +7,7 @@ is fixed in one place.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import jax
 import jax.extend.core as jex
@@ -399,6 +400,21 @@ def source_line(eqn) -> str:
         return _siu.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - best effort: an error message must not fail
         return "unknown"
+
+
+# jax.random's samplers (``_uniform``, ``_normal``, ``_gumbel``, ...) are jitted functions of the
+# module that defines ``jax.random.uniform``; a jit equation records its function's source.
+_RANDOM_SOURCE = inspect.getsourcefile(jax.random.uniform)
+
+
+def calls_random_sampler(eqn) -> bool:
+    """Whether ``eqn`` is a ``jit`` of one of ``jax.random``'s samplers (its function defined in
+    the module of ``jax.random.uniform``, as its debug info says: ``"_uniform at FILE:LINE"``)."""
+    if eqn.primitive is not jit_p or _RANDOM_SOURCE is None:
+        return False
+    info = getattr(eqn.params["jaxpr"].jaxpr, "debug_info", None)
+    _, _, where = (getattr(info, "func_src_info", None) or "").partition(" at ")
+    return where.rpartition(":")[0] == _RANDOM_SOURCE
 
 
 def traced_with_hoisted_consts(fn, *args) -> tuple:

@@ -324,6 +324,38 @@ def test_complex_values_keep_their_precision():
     assert cast_tree(jnp.float16, {"c": c, "x": x})["c"].dtype == jnp.complex64
 
 
+def test_random_samplers_keep_their_precision():
+    """jax.random's samplers (nested jits, which amp's policies otherwise reach) run as JAX wrote
+    them under any policy: their arithmetic is their contract. With jaxamp's ``add`` in float16 a
+    uniform's ``u * (max - min) + min`` rounds up to ``max`` (1 draw in 4096), so ``uniform``
+    returned 1.0 and ``normal`` (``erfinv`` of a uniform on (-1, 1)) returned inf; the
+    ``orthogonal`` initializer (a QR of normals) then gave NaN weights for 9 of 20 keys at 64x64,
+    and PureJaxRL's PPO, amp'ed as a whole, never learned. The program's own arithmetic around a
+    sample (``mean + std * eps``) follows the policy."""
+    key = jax.random.PRNGKey(0)
+    draws = {
+        "uniform": lambda k: jax.random.uniform(k, (1 << 16,)),
+        "normal": lambda k: jax.random.normal(k, (1 << 16,)),
+        "truncated_normal": lambda k: jax.random.truncated_normal(k, -2.0, 2.0, (4096,)),
+        "gumbel": lambda k: jax.random.gumbel(k, (4096,)),
+        "bernoulli": lambda k: jax.random.bernoulli(k, 0.3, (4096,)),
+    }
+    for policy in (None, {lax.add_p: jnp.float16, lax.sub_p: jnp.float16, lax.mul_p: jnp.bfloat16}):
+        for name, draw in draws.items():
+            expected, got = jax.jit(draw)(key), jax.jit(amp(draw, amp_policy=policy))(key)
+            np.testing.assert_array_equal(got, expected, err_msg=f"{name} under {policy}")
+    assert float(jax.jit(amp(draws["uniform"]))(key).max()) < 1.0
+    orthogonal = jax.jit(amp(lambda k: jax.nn.initializers.orthogonal()(k, (64, 64))))
+    assert all(np.isfinite(orthogonal(jax.random.PRNGKey(seed))).all() for seed in range(20))
+
+    def reparametrised(k, mean, std):
+        return mean + std * jax.random.normal(k, mean.shape)
+
+    jaxpr = jax.make_jaxpr(amp(reparametrised))(key, _x(), _x(seed=1))
+    adds = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive is lax.add_p]  # not the sampler's own
+    assert [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in adds] == [(F16, F16)]
+
+
 # -- dtype and format values --------------------------------------------------------------------------
 def test_format_policy_fake_quantizes_matmul_inputs_along_contracted_axis():
     x = _x((4, 64))
