@@ -23,7 +23,8 @@ configuration, ``TOTAL_TIMESTEPS`` cut to :data:`TIMESTEPS`. (``--vmap`` trains 
 as the README does, ``jax.jit(jax.vmap(T(train)))(keys)``: the ``float32``, ``amp_bfloat16`` and
 recipe columns run so, but the ``amp`` column's executable, float16 contractions under ``vmap``,
 never finishes on a 2-core CPU at 2048 timesteps and up: 0% CPU, a deadlock in XLA's
-multi-threaded CPU runtime; pinned to one core, ``taskset -c 0``, it finishes.)
+multi-threaded CPU runtime, which the program with flax's ``nn.Dense(dtype=float16)`` and no
+scalify meets too; pinned to one core, ``taskset -c 0``, it finishes.)
 
 * ``float32``: the program as written;
 * ``amp``: ``scalify.amp.amp`` (jaxamp's default policy: additions, subtractions and contractions
