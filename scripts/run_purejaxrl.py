@@ -20,11 +20,12 @@ repository's ``ppo_rnn.py`` calls flax's pre-0.7 ``GRUCell.initialize_carry`` an
 Each column runs ``jax.jit(T(make_train(config)))(key)`` as ``ppo.py``'s ``__main__`` does, for
 each key of ``jax.random.split(PRNGKey(30), seeds)``, on CartPole-v1 with that ``__main__``
 configuration, ``TOTAL_TIMESTEPS`` cut to :data:`TIMESTEPS`. (``--vmap`` trains the seeds at once
-as the README does, ``jax.jit(jax.vmap(T(train)))(keys)``: the ``float32``, ``amp_bfloat16`` and
-recipe columns run so, but the ``amp`` column's executable, float16 contractions under ``vmap``,
-never finishes on a 2-core CPU at 2048 timesteps and up: 0% CPU, a deadlock in XLA's
-multi-threaded CPU runtime, which the program with flax's ``nn.Dense(dtype=float16)`` and no
-scalify meets too; pinned to one core, ``taskset -c 0``, it finishes.)
+as the README does, ``jax.jit(jax.vmap(T(train)))(keys)``: the ``float32`` and bfloat16 amp
+columns and the five recipes tried (mxfp8, mxfp4, nvfp4, float8_tensorwise, float8_rowwise) run
+so, but the ``amp`` column's executable, float16 contractions under ``vmap``, never finishes on a
+2-core CPU at 2048 timesteps and up: 0% CPU, a deadlock in XLA's multi-threaded CPU runtime,
+which the program with flax's ``nn.Dense(dtype=float16)`` and no scalify meets too; pinned to
+one core, ``taskset -c 0``, it finishes.)
 
 * ``float32``: the program as written;
 * ``amp``: ``scalify.amp.amp`` (jaxamp's default policy: additions, subtractions and contractions
@@ -40,7 +41,7 @@ The outcome is the mean episodic return over the last 10% of the updates (CartPo
 :data:`LEARNED`; ``n/a`` when a recipe refuses the network's widths (its blocks of 128 do not
 divide PPO's 64) with the error that names the layer and the fix. Before amp ran ``jax.random``'s
 samplers as JAX wrote them (its policies reach inside nested jits, and the samplers are nested
-jits), the ``amp`` column scored 5.8: the float16 ``u * (max - min) + min`` of
+jits), the ``amp`` column scored 6, 6, 6: the float16 ``u * (max - min) + min`` of
 ``jax.random.uniform`` reached 1.0, a ``normal`` became inf, the orthogonal initializer's QR
 turned it into NaN weights and every action was distrax's invalid -1.
 """
@@ -54,8 +55,11 @@ import time
 import types
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import jax
 import numpy as np
+from run_flax_examples import failure
 
 import scalify.amp
 from scalify import recipes
@@ -146,10 +150,10 @@ def run(module, program: str, column: str, seeds: int, vmap: bool = False) -> tu
             scores = [s for key in keys for s in late_returns(jax.tree.map(lambda x: x[None], train(key)["metrics"]))]
         seconds = time.perf_counter() - start
     except Exception as exc:  # reported per (program, column); the run goes on
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        outcome, detail = failure(exc)
         # a recipe refusing a width its blocks do not divide, with the error that says so
-        refused = isinstance(exc, ValueError) and "not a multiple of" in first
-        return "n/a" if refused else "error", f"{type(exc).__name__}: {first[:300]}"
+        refused = isinstance(exc, ValueError) and "not a multiple of" in detail
+        return "n/a" if refused else outcome, detail
     outcome = "ok" if all(np.isfinite(s) and s >= LEARNED for s in scores) else "FAIL"
     shown = ", ".join(f"{s:.0f}" for s in scores)
     return outcome, f"late return {shown} ({seconds:.0f} s with compilation)"
