@@ -152,7 +152,7 @@ def run(module, program: str, column: str, seeds: int, vmap: bool = False) -> tu
     except Exception as exc:  # reported per (program, column); the run goes on
         outcome, detail = failure(exc)
         # a recipe refusing a width its blocks do not divide, with the error that says so
-        refused = isinstance(exc, ValueError) and "not a multiple of" in detail
+        refused = isinstance(exc, ValueError) and "not a multiple of" in str(exc)
         return "n/a" if refused else outcome, detail
     outcome = "ok" if all(np.isfinite(s) and s >= LEARNED for s in scores) else "FAIL"
     shown = ", ".join(f"{s:.0f}" for s in scores)
