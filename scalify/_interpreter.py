@@ -196,8 +196,18 @@ def trace_logical(fn, args):
     return jax.make_jaxpr(fn)(*[_abstract(x) for x in args])
 
 
-# The primitives whose implementation is being walked (see ``_Scalify.through_impl``).
+# The equations whose implementation is being walked (see ``_Scalify.through_impl``), and how
+# deep such expansions may nest (a safety net: a library's solver calls itself a few levels deep).
 _EXPANDING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("scalify_expanding", default=frozenset())
+_MAX_EXPANSION_DEPTH = 16
+
+
+def _expansion_key(eqn) -> tuple:
+    """A primitive with the identity of its parameters: an implementation that binds its own
+    primitive again (JAX's ``apply_primitive``) passes the same parameter objects on, while a
+    library's primitive calling itself for another job (lineax's GMRES solving its Hessenberg
+    least-squares problem by ``linear_solve`` with a QR solver) passes other ones."""
+    return eqn.primitive, tuple(sorted((k, id(v)) for k, v in eqn.params.items()))
 
 
 class _Scalify(_walk.Walk):
@@ -251,14 +261,14 @@ class _Scalify(_walk.Walk):
         what it computes. None when the implementation is no such code (JAX's primitives bind
         themselves; an implementation may also fail to trace)."""
         prim = eqn.primitive
-        expanding = _EXPANDING.get()
-        if prim in expanding:
+        expanding, key = _EXPANDING.get(), _expansion_key(eqn)
+        if key in expanding or len(expanding) >= _MAX_EXPANSION_DEPTH:
             return None  # the implementation binds the primitive itself (directly or in a nested jit)
         try:
             closed = trace_logical(lambda *a: prim.impl(*a, **eqn.params), invals)
         except Exception:  # any failure means: no implementation to walk
             return None
-        token = _EXPANDING.set(expanding | {prim})
+        token = _EXPANDING.set(expanding | {key})
         try:
             outs = self.eval(closed.jaxpr, closed.consts, list(invals))
         finally:

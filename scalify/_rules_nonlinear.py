@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, host_callback_ps, p, ref_write_ps
+from scalify._jax_compat import bind_eqn, host_callback_ps, lax_primitive, p, ref_write_ps
 from scalify._pow2 import pow2_round
 from scalify._registry import ScalifyUnsupportedError, register_rule, register_when_imported
 from scalify._rules_common import (
@@ -222,7 +222,12 @@ _FACTORIZATIONS = _prims(
     "tridiagonal_p",
     "tridiagonal_solve_p",
     module=linalg,
-)
+) + [  # not exported by jax.lax.linalg; bound by jnp.linalg.qr(mode="raw") (lineax's QR solver),
+    # slogdet(method="qr") and jax.scipy.linalg.qr_multiply / qr(pivoting=True)
+    q
+    for q in map(lax_primitive, ("geqrf", "geqp3"))
+    if q is not None
+]
 
 
 @register_rule(

@@ -43,8 +43,11 @@ operands unconverted (so formats reach the nested body).
 * Nonlinear rules with unbounded output re-quantize to a per-tensor carrier whose scale is the
   output's absolute max rounded to a power of two: values never overflow the carrier dtype.
 * A primitive with no rule that a library defines with an implementation in JAX code
-  (`Primitive.def_impl`; equinox's `maybe_set`, which diffrax's solvers write their outputs with)
-  runs through that implementation: its jaxpr is walked with the rules.
+  (`Primitive.def_impl`; equinox's `maybe_set`, which diffrax's solvers write their outputs with;
+  lineax's `linear_solve`) runs through that implementation: its jaxpr is walked with the rules. An
+  implementation may bind its own primitive again for another job (lineax's GMRES calls
+  `linear_solve` with a QR solver inside `linear_solve`); one that re-binds it with the same
+  parameters (JAX's own primitives) is not expanded again.
 * Other primitives with no rule raise `ScalifyUnsupportedError` naming the primitive and the operand
   formats when they receive a scaled operand; `scalify.ops.dequantize(x)` is the explicit way out.
   Plain operands always bind the primitive unchanged. A foreign kernel (`jax.ffi.ffi_call`) is one:

@@ -191,6 +191,25 @@ def test_a_library_primitive_runs_through_its_implementation(fmt_name):
     check_against_dequantized(lambda x: f(x, x + 1.0), make_scaled(X, FORMATS[fmt_name]))
 
 
+def test_a_library_primitive_that_calls_itself():
+    """lineax's GMRES calls ``linear_solve`` (with another solver) inside ``linear_solve``: an
+    implementation that binds its own primitive with other parameters is walked at every level
+    (it was refused before). One that binds itself with the same parameters, as JAX's own
+    primitives do, is not expanded forever: it raises the error naming the fix."""
+    from jax.extend.core import Primitive
+
+    prim = Primitive("library_recursive")
+    prim.def_impl(lambda x, *, depth: x * 2.0 if depth == 0 else prim.bind(jnp.tanh(x), depth=depth - 1) + x)
+    prim.def_abstract_eval(lambda x, *, depth: jax.core.ShapedArray(x.shape, x.dtype))
+    check_against_dequantized(lambda x: prim.bind(x, depth=3), make_scaled(X, FORMATS["mxfp8"]))
+
+    loop = Primitive("library_loop")
+    loop.def_impl(lambda x, *, tag: loop.bind(x, tag=tag))  # never terminates as JAX code
+    loop.def_abstract_eval(lambda x, *, tag: jax.core.ShapedArray(x.shape, x.dtype))
+    with pytest.raises(jsa.ScalifyUnsupportedError, match=r"no rule for primitive `library_loop`"):
+        jax.jit(jsa.scalify(lambda x: loop.bind(x, tag="a")))(make_scaled(X, FORMATS["mxfp8"]))
+
+
 def test_a_primitive_without_implementation_still_names_the_fix():
     from jax.extend.core import Primitive
 

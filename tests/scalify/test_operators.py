@@ -227,6 +227,11 @@ LINALG = {
     "svd_values": lambda a, b: jnp.linalg.svd(a, compute_uv=False),
     "norm_2": lambda a, b: jnp.linalg.norm(a, ord=2),
     "qr_r_abs": lambda a, b: jnp.abs(jnp.linalg.qr(a)[1]),
+    # geqrf / geqp3 directly: lineax's QR solver (mode="raw"), slogdet(method="qr"), qr_multiply
+    "qr_raw": lambda a, b: jnp.abs(jnp.linalg.qr(a, mode="raw")[0]),
+    "slogdet_qr": lambda a, b: jnp.linalg.slogdet(a, method="qr")[1],
+    "qr_multiply": lambda a, b: jnp.abs(jax.scipy.linalg.qr_multiply(a, b)[0]),
+    "qr_multiply_pivoting": lambda a, b: jnp.abs(jax.scipy.linalg.qr_multiply(a, b.T, pivoting=True)[1]),
     "lstsq": lambda a, b: jnp.linalg.lstsq(a, b)[0],
     "solve_triangular": lambda a, b: jax.scipy.linalg.solve_triangular(jnp.tril(a), b, lower=True),
     "eigvals_abs": lambda a, b: jnp.sort(jnp.abs(jnp.linalg.eigvals(a))),
