@@ -198,3 +198,82 @@ def test_deep_equilibrium_layer_under_a_recipe():
         assert cos > 0.99
     with pytest.raises(Exception, match="maximum number of steps"):
         jax.jit(recipes.apply(_deq_loss, recipes.FLOAT8_TENSORWISE))(params, _X, _T).block_until_ready()
+
+
+# optimistix's other solvers, with a scaled data matrix X (64 x 32) in their functions: nonlinear
+# least squares ``tanh(X y) ~ t``, a regularised minimisation of the same residual, and a root of
+# ``A y + 0.1 tanh(y) = c`` with ``A = X^T X / n + I``; the output is the solution and the
+# gradient of ``|y|^2`` in X (optimistix's implicit adjoint: a lineax solve at the solution).
+# What they add to the rules is their loops, line searches, trust regions and adjoints, so three
+# formats (two block layouts and a per-channel one) run them; the rules they meet inside (matmul,
+# tanh, mean) are tested in every format by the cases above and tests/scalify.
+OPTX_RTOL = 1e-5
+_XD = _RNG.standard_normal((64, 32)).astype(np.float32)
+_TD = np.tanh(_XD @ (_RNG.standard_normal(32) * 0.3)).astype(np.float32) + np.float32(0.01) * _RNG.standard_normal(
+    64
+).astype(np.float32)
+
+
+def _least_squares(solver):
+    def f(x, t):
+        res = lambda y, args: jnp.tanh(args[0] @ y) - args[1]
+        return optx.least_squares(res, solver, jnp.zeros(x.shape[1]), args=(x, t), max_steps=256).value
+
+    return f
+
+
+def _minimise(solver):
+    def f(x, t):
+        fn = lambda y, args: jnp.mean((jnp.tanh(args[0] @ y) - args[1]) ** 2) + 1e-2 * jnp.sum(y**2)
+        return optx.minimise(fn, solver, jnp.zeros(x.shape[1]), args=(x, t), max_steps=512).value
+
+    return f
+
+
+def _root_find(solver):
+    def f(x, t):
+        a = x.T @ x / x.shape[0] + jnp.eye(x.shape[1])
+        fn = lambda y, args: args[0] @ y + 0.1 * jnp.tanh(y) - args[1][: y.shape[0]]
+        return optx.root_find(fn, solver, jnp.zeros(x.shape[1]), args=(a, t), max_steps=256).value
+
+    return f
+
+
+_TOL = {"rtol": OPTX_RTOL, "atol": OPTX_RTOL}
+# name: (program, bound on the solution's difference relative to its largest entry). Root finders
+# and least-squares solvers stop when a step is below rtol |y| + atol and converge at least
+# linearly here, so each run is within a few rtol of the exact solution: 20 rtol. Minimisers
+# whose line searches compare objective values locate a minimum only to about sqrt(eps32) |y|
+# (the objective is flat there to first order): 4 sqrt(eps32) ~ 1.4e-3. The implicit gradient is
+# a linear function of the solution's error through the Jacobian: 5 times the bound. Measured
+# worst cases over the three formats, solution / gradient: Dogleg 9.8e-5 / 4.0e-4, LM 3.0e-5 /
+# 1.1e-4, GaussNewton, Newton and Chord below 2.1e-5; BFGS 3.1e-4 / 5.6e-4, NonlinearCG 3.8e-4 /
+# 1.5e-3. Rounding X to E4M3 would move them by ~2**-4.
+# The regularisation (1e-2) keeps the minimum well defined: with 1e-3 the objective (~1e-4) is
+# within atol of flat over a region that rounding decides where the line searches stop in (a
+# one-ulp change of X moved NonlinearCG's solution by 1.2e-3, the scalified run 1.4e-2 and 2.7e-2
+# in MXFP8 and NVFP4, while its objective and gradient at a given point agree with float32 to 1-3e-7).
+_FLAT = 4 * float(np.sqrt(EPS32))
+OPTX_SOLVERS = {
+    "LevenbergMarquardt": (_least_squares(optx.LevenbergMarquardt(**_TOL)), 20 * OPTX_RTOL),
+    "GaussNewton": (_least_squares(optx.GaussNewton(**_TOL)), 20 * OPTX_RTOL),
+    "Dogleg": (_least_squares(optx.Dogleg(**_TOL)), 20 * OPTX_RTOL),
+    "BFGS": (_minimise(optx.BFGS(**_TOL)), _FLAT),
+    "NonlinearCG": (_minimise(optx.NonlinearCG(**_TOL)), _FLAT),
+    "Newton": (_root_find(optx.Newton(**_TOL)), 20 * OPTX_RTOL),
+    "Chord": (_root_find(optx.Chord(**_TOL)), 20 * OPTX_RTOL),
+}
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp8", "nvfp4", "int8_per_channel"])
+@pytest.mark.parametrize("name", list(OPTX_SOLVERS))
+def test_optimistix_solver(name, fmt_name):
+    """The solution and its implicit gradient with X scaled, against float32 on the dequantized X."""
+    program, bound = OPTX_SOLVERS[name]
+    qx = scalify.as_scaled_array(jnp.asarray(_XD), fmt=qf.get_format(fmt_name))
+    x, t = qx.to_array(), jnp.asarray(_TD)
+    grad = jax.grad(lambda x, t: jnp.sum(program(x, t) ** 2))
+    for fn, got_fn, tol in ((program, scalify.scalify(program), bound), (grad, scalify.scalify(grad), 5 * bound)):
+        ref = _value(jax.jit(fn)(x, t))
+        got = _value(jax.jit(got_fn)(qx, t))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.max(np.abs(ref)))
