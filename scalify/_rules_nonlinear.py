@@ -223,7 +223,7 @@ _FACTORIZATIONS = _prims(
     "tridiagonal_solve_p",
     module=linalg,
 ) + [  # not exported by jax.lax.linalg; bound by jnp.linalg.qr(mode="raw") (lineax's QR solver),
-    # slogdet(method="qr") and jax.scipy.linalg.qr_multiply / qr(pivoting=True)
+    # slogdet(method="qr") and jax.scipy.linalg.qr_multiply (geqp3 with pivoting=True)
     q
     for q in map(lax_primitive, ("geqrf", "geqp3"))
     if q is not None
