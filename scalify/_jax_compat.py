@@ -94,6 +94,7 @@ def _lax_modules():
         "jax._src.lax.linalg",
         "jax._src.lax.fft",
         "jax._src.lax.ann",
+        "jax._src.lax.scaled_dot",
     ):
         try:
             mods.append(importlib.import_module(name))

@@ -271,11 +271,13 @@ register_when_imported("jax.experimental.sparse", _register_sparse_solve)
 
 
 @register_rule(
-    [p.bitcast_convert_type_p, *host_callback_ps],
+    [p.bitcast_convert_type_p, *host_callback_ps, *[q for q in (lax_primitive("scaled_dot"),) if q is not None]],
     "nonlinear",
     "on the values: operands dequantized to the program's dtype, plain outputs. bitcast_convert_type "
     "(jnp.signbit, copysign, frexp, ldexp, spacing) reads the bits of the value, which a scale does not "
-    "multiply; a host callback (jax.pure_callback, io_callback) receives numpy arrays, which carry no scale.",
+    "multiply; a host callback (jax.pure_callback, io_callback) receives numpy arrays, which carry no scale; "
+    "lax.scaled_dot is a block-scaled GEMM whose scales the program supplies itself (its operands are the values "
+    "they scale, its output type the program's).",
 )
 def _on_values(eqn, *xs):
     """``f(values)``, each operand as the value the program holds, in the program's dtype."""

@@ -264,6 +264,7 @@ def _host_double(x):
     return np.asarray(x) * 2
 
 
+SUBCHANNEL = np.float32(2.0) ** RNG.integers(-3, 4, (2, 32, 2)).astype(np.float32)
 BITS_AND_EMPTY = {
     # bitcast_convert_type reads the value's bits; a host callback receives numpy values
     "signbit": lambda a, b: jnp.signbit(a - 0.5),
@@ -278,6 +279,11 @@ BITS_AND_EMPTY = {
         lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1]), (jax.nn.sigmoid(a), b), axis=1
     )[1],
     "empty_matmul": lambda a, b: a[:, :0] @ b.T[:0, :] + jnp.concatenate([a[:0], a]).sum(),
+    # a block-scaled GEMM whose scales the program supplies (sub-channels of 16 along K = 32)
+    "scaled_dot": lambda a, b: jax.lax.scaled_dot(
+        a, b, lhs_scale=SUBCHANNEL[0], rhs_scale=SUBCHANNEL[1].T, preferred_element_type=jnp.float32
+    ),
+    "scaled_dot_bf16": lambda a, b: jax.lax.scaled_dot(a, b).astype(jnp.float32),
     # the gradient of gammainc in its shape parameter (igamma_grad_a had no rule)
     "gammainc_grad_a": jax.grad(lambda a, b: jnp.sum(jax.scipy.special.gammainc(jnp.abs(a) + 0.5, 2.0))),
 }
@@ -285,8 +291,8 @@ BITS_AND_EMPTY = {
 
 @pytest.mark.parametrize("name", ["scale", "fp8_e4m3", "int8_per_channel", "mxfp8", "nvfp4"])
 def test_bits_callbacks_and_empty_arrays(name):
-    """Before these rules: ScalifyUnsupportedError on bitcast_convert_type, pure_callback and igamma_grad_a, and a
-    ZeroDivisionError from the scale grid of an empty slice (associative_scan)."""
+    """Before these rules: ScalifyUnsupportedError on bitcast_convert_type, pure_callback, igamma_grad_a and
+    lax.scaled_dot, and a ZeroDivisionError from the scale grid of an empty slice (associative_scan)."""
     fmt = FORMATS[name]
     _check_all(BITS_AND_EMPTY, [make_scaled(SQUARE, fmt), make_scaled(RHS.repeat(8, axis=1), fmt)])
 
