@@ -119,6 +119,12 @@ def lax_primitive(name: str):
     return all_lax_primitives().get(name)
 
 
+def lax_primitives(*names: str) -> list[Primitive]:
+    """The primitives of ``names`` that this JAX version has (JAX adds and renames primitives)."""
+    known = all_lax_primitives()
+    return [known[n] for n in names if n in known]
+
+
 def get_bind_params(primitive, params):
     """``(leading_args, params)`` such that ``primitive.bind(*leading_args, *invals, **params)`` works.
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, name_p, p
+from scalify._jax_compat import bind_eqn, bind_eqn_with, lax_primitive, lax_primitives, name_p, p
 from scalify._registry import register_rule, register_when_imported
 from scalify._rules_common import (
     F32,
@@ -48,8 +48,15 @@ def _stop_gradient(eqn, x):
 
 
 @register_rule(
-    [p.reshape_p, p.transpose_p, p.broadcast_in_dim_p, p.squeeze_p, p.slice_p, p.rev_p]
-    + [q for q in (lax_primitive("tile"), lax_primitive("split"), lax_primitive("unstack")) if q is not None],
+    [
+        p.reshape_p,
+        p.transpose_p,
+        p.broadcast_in_dim_p,
+        p.squeeze_p,
+        p.slice_p,
+        p.rev_p,
+        *lax_primitives("tile", "split", "unstack"),
+    ],
     "commuting",
     "data moved; block scales moved with the same op (layout inferred statically, any block layout); "
     "per-tensor formats keep their codes and format.",
@@ -224,7 +231,7 @@ def _constant_along(x: ScaledArray, axis: int) -> ScaledArray:
 
 
 @register_rule(
-    [p.top_k_p] + [q for q in (lax_primitive("approx_top_k"),) if q is not None],
+    [p.top_k_p, *lax_primitives("approx_top_k")],
     "commuting",
     "ranked on data (scale constant along the axis: blocks spanning it kept, else folded); "
     "values keep the scale, indices plain.",
@@ -255,10 +262,12 @@ def _cmp(eqn, *xs):
 
 
 register_rule(
-    [p.eq_p, p.ne_p, p.lt_p, p.le_p, p.gt_p, p.ge_p]
-    # the total-order comparisons (-0 < +0, NaNs ordered): a positive power-of-two rescale keeps
-    # signs, zeros and NaNs, so their order too
-    + [q for q in map(lax_primitive, ("eq_to", "lt_to", "le_to")) if q is not None],
+    [
+        *(p.eq_p, p.ne_p, p.lt_p, p.le_p, p.gt_p, p.ge_p),
+        # the total-order comparisons (-0 < +0, NaNs ordered): a positive power-of-two rescale keeps
+        # signs, zeros and NaNs, so their order too
+        *lax_primitives("eq_to", "lt_to", "le_to"),
+    ],
     "commuting",
     "operands brought to a common scale (max) in float32, then compared. Plain bool output.",
 )(_cmp)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify._jax_compat import bind_eqn, host_callback_ps, lax_primitive, p, ref_write_ps
+from scalify._jax_compat import bind_eqn, host_callback_ps, lax_primitives, p, ref_write_ps
 from scalify._pow2 import pow2_round
 from scalify._registry import ScalifyUnsupportedError, register_rule, register_when_imported
 from scalify._rules_common import (
@@ -222,12 +222,11 @@ _FACTORIZATIONS = _prims(
     "tridiagonal_p",
     "tridiagonal_solve_p",
     module=linalg,
-) + [  # not exported by jax.lax.linalg; bound by jnp.linalg.qr(mode="raw") (lineax's QR solver),
-    # slogdet(method="qr") and jax.scipy.linalg.qr_multiply (geqp3 with pivoting=True)
-    q
-    for q in map(lax_primitive, ("geqrf", "geqp3"))
-    if q is not None
-]
+) + lax_primitives(  # not exported by jax.lax.linalg; bound by jnp.linalg.qr(mode="raw") (lineax's QR
+    # solver), slogdet(method="qr") and jax.scipy.linalg.qr_multiply (geqp3 with pivoting=True)
+    "geqrf",
+    "geqp3",
+)
 
 
 @register_rule(
@@ -271,7 +270,7 @@ register_when_imported("jax.experimental.sparse", _register_sparse_solve)
 
 
 @register_rule(
-    [p.bitcast_convert_type_p, *host_callback_ps, *[q for q in (lax_primitive("scaled_dot"),) if q is not None]],
+    [p.bitcast_convert_type_p, *host_callback_ps, *lax_primitives("scaled_dot")],
     "nonlinear",
     "on the values: operands dequantized to the program's dtype, plain outputs. bitcast_convert_type "
     "(jnp.signbit, copysign, frexp, ldexp, spacing) reads the bits of the value, which a scale does not "
