@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from thirdparty_harness import Case, accepts, check_gradient_under_recipe
+from thirdparty_harness import Case, accepts, check_gradient_under_recipe, rotated_cases
 
 import qformats as qf
 import scalify
@@ -120,16 +120,10 @@ PROGRAMS = {
 }
 # Every registered format runs the plain Sinkhorn problem; the other programs add OTT's loops,
 # accelerations and geometries around the same rules (matmul, norms, log-sum-exp, exp), so two
-# block layouts and a per-channel one run them: each program in one of the three in the fast lane
-# (in turn), in the other two in the slow lane (each case compiles four programs: 10-60 s on 2 cores).
+# block layouts and a per-channel one run them (``rotated_cases``: each case compiles four programs,
+# 10-60 s on 2 cores).
 EVERY_FORMAT = ("sinkhorn",)
-SOME_FORMATS = ("mxfp8", "nvfp4", "int8_per_channel")
-_OTHERS = [n for n in PROGRAMS if n not in EVERY_FORMAT]
-OTT_CASES = [
-    pytest.param(name, f, marks=() if f == SOME_FORMATS[i % len(SOME_FORMATS)] else pytest.mark.slow)
-    for i, name in enumerate(_OTHERS)
-    for f in SOME_FORMATS
-]
+OTT_CASES = rotated_cases([n for n in PROGRAMS if n not in EVERY_FORMAT])
 
 
 def _value(v) -> np.ndarray:

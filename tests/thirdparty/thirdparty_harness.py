@@ -112,6 +112,17 @@ def runs_step(module: str, test: str, fmt_name: str) -> bool:
     )
 
 
+def rotated_cases(names, formats=("mxfp8", "nvfp4", "int8_per_channel")) -> list:
+    """``(name, fmt_name)`` parameters for programs that add loops or library code around rules
+    the every-format tests already cover: each name in one of ``formats`` in the fast lane, in
+    turn, and in the others in the slow lane (two block layouts and a per-channel one by default)."""
+    return [
+        pytest.param(name, f, marks=() if f == formats[i % len(formats)] else pytest.mark.slow)
+        for i, name in enumerate(names)
+        for f in formats
+    ]
+
+
 # Differences between a float32 carrier program and the float32 program (see the module docstring).
 PROPAGATION_RTOL = 5e-5
 # Absolute floor per leaf, as a fraction of the tree's largest magnitude (see the module docstring).
