@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from thirdparty_harness import Case, accepts, check_gradient_under_recipe, rotated_cases
+from thirdparty_harness import (
+    Case,
+    accepts,
+    as_float64,
+    check_gradient_under_recipe,
+    relative_distance,
+    rotated_cases,
+)
 
 import qformats as qf
 import scalify
@@ -126,23 +133,14 @@ EVERY_FORMAT = ("sinkhorn",)
 OTT_CASES = rotated_cases([n for n in PROGRAMS if n not in EVERY_FORMAT])
 
 
-def _value(v) -> np.ndarray:
-    return np.asarray(v.to_array(jnp.float32) if isinstance(v, scalify.ScaledArray) else v, np.float64)
-
-
-def _distance(got, ref) -> float:
-    """``|got - ref| / |ref|`` (2-norms; a scalar's relative difference)."""
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-
-
 def _probe_bound(fn, x, y) -> float:
     """:data:`PROBE_FACTOR` times the largest change of float32's ``fn`` when ``x`` is multiplied
     by ``1 + u``, ``u`` uniform in ``[-2^-22, 2^-22]`` (three draws); at least :data:`FLOOR`."""
-    ref = _value(fn(x, y))
+    ref = as_float64(fn(x, y))
     moved = []
     for seed in range(3):
         u = np.random.default_rng(seed).uniform(-PROBE, PROBE, x.shape).astype(np.float32)
-        moved.append(_distance(_value(fn(x * (1 + u), y)), ref))
+        moved.append(relative_distance(as_float64(fn(x * (1 + u), y)), ref))
     return max(PROBE_FACTOR * max(moved), FLOOR)
 
 
@@ -156,11 +154,13 @@ def _check(name, fmt_name):
     pairs = [(fn, "value")] + ([(jax.grad(fn), "gradient")] if with_grad else [])
     for program, what in pairs:
         ref_fn = jax.jit(program)
-        ref = _value(ref_fn(x, y))
-        got = _value(jax.jit(scalify.scalify(program))(qx, y))
+        ref = as_float64(ref_fn(x, y))
+        got = as_float64(jax.jit(scalify.scalify(program))(qx, y))
         assert np.isfinite(got).all(), f"{name} {what}: non-finite under {fmt_name}"
         bound = _probe_bound(ref_fn, x, y)
-        assert _distance(got, ref) <= bound, f"{name} {what}: {_distance(got, ref):.2e} from float32, bound {bound:.2e}"
+        assert relative_distance(got, ref) <= bound, (
+            f"{name} {what}: {relative_distance(got, ref):.2e} from float32, bound {bound:.2e}"
+        )
 
 
 def test_sinkhorn_in_every_format(fmt_name):
@@ -182,7 +182,7 @@ def test_the_bound_detects_element_rounding():
     x, y = jnp.asarray(X), jnp.asarray(Y)
     rounded = x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
     for program in (jax.jit(fn), jax.jit(jax.grad(fn))):
-        moved = _distance(_value(program(rounded, y)), _value(program(x, y)))
+        moved = relative_distance(as_float64(program(rounded, y)), as_float64(program(x, y)))
         assert moved > 10 * _probe_bound(program, x, y)
 
 

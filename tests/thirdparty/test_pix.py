@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from thirdparty_harness import accepts, rotated_cases
+from thirdparty_harness import accepts, as_float64, relative_distance, rotated_cases
 
 import qformats as qf
 import scalify
@@ -77,16 +77,6 @@ def _gradient(fn):
     return jax.grad(loss)
 
 
-def _value(v) -> np.ndarray:
-    return np.asarray(v.to_array(jnp.float32) if isinstance(v, scalify.ScaledArray) else v, np.float64)
-
-
-def _distance(got, ref) -> float:
-    """Relative 2-norm distance over the elements where ``ref`` is not NaN."""
-    keep = ~np.isnan(ref)
-    return float(np.linalg.norm(got[keep] - ref[keep]) / np.linalg.norm(ref[keep]))
-
-
 def _check(name, fmt_name):
     fmt = qf.get_format(fmt_name)
     if not accepts(fmt, MAPS):
@@ -95,10 +85,10 @@ def _check(name, fmt_name):
     x = qx.to_array(jnp.float32)
     fn = PROGRAMS[name]
     for program, what in ((fn, "value"), (_gradient(fn), "gradient")):
-        ref = _value(jax.jit(program)(x))
-        got = _value(jax.jit(scalify.scalify(program))(qx))
+        ref = as_float64(jax.jit(program)(x))
+        got = as_float64(jax.jit(scalify.scalify(program))(qx))
         np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"{name} {what}: NaN pattern")
-        assert _distance(got, ref) <= RTOL, f"{name} {what}: {_distance(got, ref):.2e} from float32"
+        assert relative_distance(got, ref) <= RTOL, f"{name} {what}: {relative_distance(got, ref):.2e} from float32"
 
 
 @pytest.mark.parametrize("name", EVERY_FORMAT)
@@ -119,6 +109,7 @@ def test_the_bound_detects_bfloat16_rounding():
     rounded = x.astype(jnp.bfloat16).astype(jnp.float32)
     for name, fn in PROGRAMS.items():
         moved = max(
-            _distance(_value(jax.jit(program)(rounded)), _value(jax.jit(program)(x))) for program in (fn, _gradient(fn))
+            relative_distance(as_float64(jax.jit(program)(rounded)), as_float64(jax.jit(program)(x)))
+            for program in (fn, _gradient(fn))
         )
         assert moved > 5 * RTOL, f"{name}: bfloat16 rounding moved it only {moved:.1e}"

@@ -112,6 +112,17 @@ def runs_step(module: str, test: str, fmt_name: str) -> bool:
     )
 
 
+def as_float64(v) -> np.ndarray:
+    """A program's output (a ScaledArray's value, or a plain array) as a float64 array."""
+    return np.asarray(v.to_array(jnp.float32) if isinstance(v, scalify.ScaledArray) else v, np.float64)
+
+
+def relative_distance(got, ref) -> float:
+    """``|got - ref| / |ref|`` (2-norms) over the elements where ``ref`` is not NaN."""
+    keep = ~np.isnan(ref)
+    return float(np.linalg.norm(got[keep] - ref[keep]) / np.linalg.norm(ref[keep]))
+
+
 def rotated_cases(names, formats=("mxfp8", "nvfp4", "int8_per_channel")) -> list:
     """``(name, fmt_name)`` parameters for programs that add loops or library code around rules
     the every-format tests already cover: each name in one of ``formats`` in the fast lane, in
