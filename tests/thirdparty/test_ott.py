@@ -169,6 +169,8 @@ def test_sinkhorn_in_every_format(fmt_name):
         _check(name, fmt_name)
 
 
+# The slow lane: the fast lane's time on CI's 2 cores (a clean-clone run took 74 min with them).
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt_name"), OTT_CASES)
 def test_ott_program(name, fmt_name):
     """An OTT solver or tool on the scaled cloud (value, and gradient where it has one)."""

@@ -97,6 +97,8 @@ def test_pix_in_every_format(name, fmt_name):
     _check(name, fmt_name)
 
 
+# The slow lane: the fast lane's time on CI's 2 cores (a clean-clone run took 74 min with them).
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt_name"), PIX_CASES)
 def test_pix_program(name, fmt_name):
     """A dm-pix program's output and gradient with the maps scaled, against float32."""
