@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from thirdparty_harness import (
+    FEW_FORMATS,
     Case,
     accepts,
     as_float64,
     check_gradient_under_recipe,
     relative_distance,
-    rotated_cases,
 )
 
 import qformats as qf
@@ -127,10 +127,10 @@ PROGRAMS = {
 }
 # Every registered format runs the plain Sinkhorn problem; the other programs add OTT's loops,
 # accelerations and geometries around the same rules (matmul, norms, log-sum-exp, exp), so two
-# block layouts and a per-channel one run them (``rotated_cases``: each case compiles four programs,
+# block layouts and a per-channel one run them (slow lane: each case compiles four programs,
 # 10-60 s on 2 cores).
 EVERY_FORMAT = ("sinkhorn",)
-OTT_CASES = rotated_cases([n for n in PROGRAMS if n not in EVERY_FORMAT])
+OTHERS = [n for n in PROGRAMS if n not in EVERY_FORMAT]
 
 
 def _probe_bound(fn, x, y) -> float:
@@ -171,7 +171,8 @@ def test_sinkhorn_in_every_format(fmt_name):
 
 # The slow lane: the fast lane's time on CI's 2 cores (a clean-clone run took 74 min with them).
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "fmt_name"), OTT_CASES)
+@pytest.mark.parametrize("fmt_name", FEW_FORMATS)
+@pytest.mark.parametrize("name", OTHERS)
 def test_ott_program(name, fmt_name):
     """An OTT solver or tool on the scaled cloud (value, and gradient where it has one)."""
     _check(name, fmt_name)

@@ -123,15 +123,9 @@ def relative_distance(got, ref) -> float:
     return float(np.linalg.norm(got[keep] - ref[keep]) / np.linalg.norm(ref[keep]))
 
 
-def rotated_cases(names, formats=("mxfp8", "nvfp4", "int8_per_channel")) -> list:
-    """``(name, fmt_name)`` parameters for programs that add loops or library code around rules
-    the every-format tests already cover: each name in one of ``formats`` in the fast lane, in
-    turn, and in the others in the slow lane (two block layouts and a per-channel one by default)."""
-    return [
-        pytest.param(name, f, marks=() if f == formats[i % len(formats)] else pytest.mark.slow)
-        for i, name in enumerate(names)
-        for f in formats
-    ]
+# Two block layouts and a per-channel one: the formats of the slow-lane programs that add loops or
+# library code around rules the every-format tests already cover.
+FEW_FORMATS = ("mxfp8", "nvfp4", "int8_per_channel")
 
 
 # Differences between a float32 carrier program and the float32 program (see the module docstring).
