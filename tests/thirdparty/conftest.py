@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import jax
 import pytest
-from thirdparty_harness import COVERED_BY_FAMILY, FORMAT_NAMES, runs_step
+from thirdparty_harness import (
+    COVERED_BY_FAMILY,
+    FAMILY_REPRESENTATIVES,
+    FORMAT_NAMES,
+    ROTATION_EXEMPT,
+    fast_lane_formats,
+    runs_step,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,13 +35,43 @@ def fmt_name(request):
     return request.param
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Deselects the step tests that :data:`thirdparty_harness.STEP_ROTATION` gives to other suites."""
+    """Deselects the step tests that :data:`thirdparty_harness.STEP_ROTATION` gives to other suites,
+    then marks slow the (case, format) pairs that :func:`thirdparty_harness.fast_lane_formats`
+    leaves to the slow lane."""
     keep, drop = [], []
     for item in items:
-        fmt_name = getattr(item, "callspec", None) and item.callspec.params.get("fmt_name")
+        fmt_name = _fmt_name(item)
         ok = not fmt_name or runs_step(item.module.__name__.rpartition(".")[2], item.originalname, fmt_name)
         (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    _rotate_formats(items)
+
+
+def _fmt_name(item):
+    """The item's ``fmt_name`` parameter, or None."""
+    return getattr(item, "callspec", None) and item.callspec.params.get("fmt_name")
+
+
+def _rotate_formats(items):
+    """Groups the fast lane's format-parametrized items by test, numbers each test's cases (its other
+    parameters) in collection order, and marks slow what the case's fast-lane formats exclude."""
+    tests: dict[tuple, dict] = {}
+    for item in items:
+        fmt_name = _fmt_name(item)
+        module = item.module.__name__.rpartition(".")[2]
+        if fmt_name in FAMILY_REPRESENTATIVES and module not in ROTATION_EXEMPT and not item.get_closest_marker("slow"):
+            case = tuple(sorted((k, repr(v)) for k, v in item.callspec.params.items() if k != "fmt_name"))
+            test = tests.setdefault((module, item.originalname), {})
+            test.setdefault(case, []).append((fmt_name, item))
+    for cases in tests.values():
+        present = {f for pairs in cases.values() for f, _ in pairs}
+        formats = tuple(f for f in FAMILY_REPRESENTATIVES if f in present)
+        for k, pairs in enumerate(cases.values()):
+            fast = fast_lane_formats(k, len(cases), formats)
+            for fmt_name, item in pairs:
+                if fmt_name not in fast:
+                    item.add_marker(pytest.mark.slow)

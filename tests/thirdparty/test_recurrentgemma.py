@@ -7,8 +7,9 @@ the weights in a scaled format, against the same programs in float32 on the dequ
 typeguard 2 (its pin), einops and sentencepiece (``pip download --no-deps``), so this needs PyPI, as
 the install CI runs first does.
 
-The fast lane runs the training step in MXFP8, decoding in NVFP4 and the error that names
-``dequantize_outputs``; the slow lane the other families, the associative scan and two recipes.
+The fast lane runs the training step in MXFP8 and the error that names ``dequantize_outputs``; the
+slow lane decoding in NVFP4 (35 s on 2 workers; the ``gemma`` library's KV-cache decoding is in the
+fast lane), the other families, the associative scan and two recipes.
 ``docs/examples.md`` has the script's full tables.
 """
 
@@ -41,7 +42,7 @@ ROTATION = [
     ("decode", "fp8_e4m3"),
     ("decode", "fp16"),
 ]
-FAST = {("griffin", "mxfp8"), ("decode", "nvfp4")}
+FAST = {("griffin", "mxfp8")}
 
 
 @pytest.fixture(scope="module")

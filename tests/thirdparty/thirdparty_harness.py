@@ -112,6 +112,31 @@ def runs_step(module: str, test: str, fmt_name: str) -> bool:
     )
 
 
+# Suites whose every case runs in every representative in the fast lane: regression tests of bugs
+# found in models, a second or two each.
+ROTATION_EXEMPT = ("test_known_bugs",)
+
+
+def fast_lane_formats(case_index: int, n_cases: int, formats: tuple[str, ...]) -> tuple[str, ...]:
+    """The family representatives among ``formats`` that the fast lane runs for the
+    ``case_index``-th of a test's ``n_cases`` cases (conftest.py marks the others slow).
+
+    Each case takes the next ``ceil(len(formats) / n_cases)`` of them, cyclically, so across the
+    cases every representative meets at least one case and every case at least one
+    representative: a two-case suite runs three formats each, a five-case suite two, where it ran
+    all six. What the fast lane keeps is every case and every family; what it drops is the other
+    (case, family) pairs, whose programs reach the same rules through the same layouts (measured on
+    2 cores, 2026-12-07: the format-parametrized third-party tests were half the fast lane's time).
+    A format registered by a user or a plugin is not a representative, so it still runs for every
+    case.
+    """
+    reps = [f for f in formats if f in FAMILY_REPRESENTATIVES]
+    if not reps or n_cases < 2:
+        return tuple(reps)
+    per_case = -(-len(reps) // n_cases)
+    return tuple(reps[(case_index * per_case + j) % len(reps)] for j in range(per_case))
+
+
 def as_float64(v) -> np.ndarray:
     """A program's output (a ScaledArray's value, or a plain array) as a float64 array."""
     return np.asarray(v.to_array(jnp.float32) if isinstance(v, scalify.ScaledArray) else v, np.float64)
