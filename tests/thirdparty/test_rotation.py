@@ -50,9 +50,9 @@ def test_step_only_suites_run_their_formats_steps_and_every_loss():
 
 
 def test_fast_lane_formats_meet_every_case_and_every_family():
-    """:func:`fast_lane_formats` over any number of cases: each case gets ``ceil(6 / n)``
-    representatives (all six for one case), together they are all six, and no case gets a format it
-    was not offered."""
+    """:func:`fast_lane_formats` over any number of cases: each case gets ``ceil(r / n)`` of the
+    ``r`` representatives offered (all of them for one case), together they are all ``r``, and no
+    case gets a format it was not offered."""
     reps = tuple(FAMILY_REPRESENTATIVES)
     for offered in (reps, FEW_FORMATS, ("mxfp8",), (*reps, "a_users_format")):
         n_reps = len([f for f in offered if f in FAMILY_REPRESENTATIVES])
@@ -75,8 +75,9 @@ def _case_and_format(item: str) -> tuple[str, str]:
 
 def test_the_fast_lane_keeps_every_case_and_family():
     """The rotation as collected (three suites of several cases, collected in a subprocess): the
-    fast lane runs every case of every format-parametrized test in at least one representative, and
-    every representative in at least one case; the slow lane holds the rest."""
+    fast lane runs every case of their four format-parametrized tests of several cases in at least
+    one representative, and every representative in at least one case; the slow lane holds the
+    rest."""
     import subprocess
     import sys
 

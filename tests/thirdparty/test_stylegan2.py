@@ -11,8 +11,8 @@ third-party harness's check and tolerance). The script runs in a subprocess: it 
 other suite should see. The repository's own training steps need a clone (``--source``); their
 table is in ``docs/examples.md``.
 
-The fast lane runs R1 in MXFP8 (33 s in a process of its own on 2 cores, where both second-order
-losses took 80); the slow lane the path-length penalty in MXFP8, two losses in each other family
+The fast lane runs R1 in MXFP8 (33 s in a process of its own on 2 cores; the path-length penalty
+took 49 s); the slow lane the path-length penalty in MXFP8, two losses in each other family
 (a second-order one in each, every loss in three families), and three recipes on the two penalties
 (their gradient taken outside ``recipes.apply``: the recipe's quantizers are differentiated twice).
 """

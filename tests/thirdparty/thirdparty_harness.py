@@ -131,9 +131,7 @@ def fast_lane_formats(case_index: int, n_cases: int, formats: tuple[str, ...]) -
     case.
     """
     reps = [f for f in formats if f in FAMILY_REPRESENTATIVES]
-    if not reps or n_cases < 2:
-        return tuple(reps)
-    per_case = -(-len(reps) // n_cases)
+    per_case = -(-len(reps) // n_cases)  # all of them for one case, none offered: none
     return tuple(reps[(case_index * per_case + j) % len(reps)] for j in range(per_case))
 
 
